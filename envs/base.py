@@ -1,0 +1,248 @@
+"""The message-level environment contract: `Env` (gymnasium) and `MultiTurnEnv`.
+
+Observation = the *new* chat messages of a step (a tuple of `Message`); action = one assistant
+`Message` (a plain string or an OpenAI message dict is accepted and wrapped). The rollout loop
+awaits the async twins `areset`/`astep`; by default they run the sync methods in a thread (set
+``step_in_thread = False`` for envs whose steps are cheap and non-blocking, or override
+`aon_action` for IO-bound envs).
+
+Tasks: ``reset(seed=..., options={"task": row})`` sets the task explicitly (``row`` is a dict in
+the env's dataset format); without a task the env draws one from its dataset with the seed.
+The same seed and task give the same episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hashlib
+import json
+import pickle
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import gymnasium
+import numpy as np
+
+from palaestra.envs.spaces import AssistantMessageSpace, MessagesSpace
+from palaestra.errors import ConfigError
+from palaestra.types import Message, StopReason, as_message
+
+Observation = tuple[Message, ...]
+
+
+@dataclass
+class StepResult:
+    """What an env returns for one action before the gymnasium bookkeeping is added."""
+
+    observation: Sequence[Message] = ()
+    reward: float = 0.0
+    terminated: bool = False
+    info: dict[str, Any] = field(default_factory=dict)
+    stop_reason: StopReason | None = None
+
+
+def task_id_of(task: Mapping[str, Any]) -> str:
+    """A stable id for a task row: its own id field, else a hash of its content."""
+    for key in ("task_id", "id", "_id", "qid"):
+        if key in task and task[key] is not None:
+            return str(task[key])
+    blob = json.dumps(task, sort_keys=True, default=str).encode()
+    return hashlib.sha1(blob).hexdigest()[:16]
+
+
+class Env(gymnasium.Env[Observation, Message]):
+    """Base class of palaestra environments (gymnasium API over chat messages).
+
+    Subclasses implement `initial_messages` and `on_action`, and provide tasks either through a
+    dataset (``dataset=[rows]`` or by overriding `load_dataset`) or by overriding `sample_task`.
+    """
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"]}
+    #: Run `on_action` in a worker thread from `astep` (False for cheap, non-blocking steps).
+    step_in_thread: ClassVar[bool] = True
+    #: Instance attributes left out of `snapshot` (shared resources: retrievers, sandboxes).
+    snapshot_exclude: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(
+        self,
+        *,
+        dataset: Sequence[Mapping[str, Any]] | None = None,
+        max_turns: int = 1,
+        render_mode: str | None = None,
+    ) -> None:
+        if max_turns < 1:
+            raise ConfigError(f"max_turns must be >= 1, got {max_turns}")
+        if render_mode not in (None, "ansi"):
+            raise ConfigError(f"render_mode must be None or 'ansi', got {render_mode!r}")
+        self.observation_space = MessagesSpace()
+        self.action_space = AssistantMessageSpace()
+        self.render_mode = render_mode
+        self.max_turns = max_turns
+        self._dataset = list(dataset) if dataset is not None else None
+        self.task: dict[str, Any] | None = None
+        self.turn = 0
+        self.history: list[Message] = []
+        self.done = False
+        self.closed = False
+
+    # ----- to implement -------------------------------------------------------------------
+    def initial_messages(self, task: Mapping[str, Any]) -> Sequence[Message]:
+        """The first observation for ``task`` (system prompt and user question)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement initial_messages()")
+
+    def on_action(self, action: Message) -> StepResult:
+        """React to one assistant message: new messages, reward, whether the episode ended."""
+        raise NotImplementedError(f"{type(self).__name__} must implement on_action()")
+
+    async def aon_action(self, action: Message) -> StepResult:
+        """Async twin of `on_action`; IO-bound envs override this one."""
+        if self.step_in_thread:
+            return await asyncio.to_thread(self.on_action, action)
+        return self.on_action(action)
+
+    def load_dataset(self) -> Sequence[Mapping[str, Any]]:
+        """Task rows for draws without an explicit task (override to load lazily from disk)."""
+        raise ConfigError(
+            f"{type(self).__name__} has no dataset: pass dataset=[...] to the constructor or "
+            "reset(options={'task': row}) with an explicit task row"
+        )
+
+    def sample_task(self, rng: np.random.Generator) -> dict[str, Any]:
+        rows = self.dataset
+        if not rows:
+            raise ConfigError(f"{type(self).__name__}: the dataset is empty")
+        return dict(rows[int(rng.integers(len(rows)))])
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """OpenAI function schemas of the tools this env offers (none by default)."""
+        return []
+
+    # ----- gymnasium API ------------------------------------------------------------------
+    @property
+    def dataset(self) -> Sequence[Mapping[str, Any]]:
+        if self._dataset is None:
+            self._dataset = list(self.load_dataset())
+        return self._dataset
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Observation, dict[str, Any]]:
+        super().reset(seed=seed)
+        task = (options or {}).get("task")
+        self.task = dict(task) if task is not None else self.sample_task(self.np_random)
+        self.turn = 0
+        self.done = False
+        self.on_reset(self.task)
+        observation = tuple(as_message(m, role="user") for m in self.initial_messages(self.task))
+        self.history = list(observation)
+        info = {"task_id": task_id_of(self.task), "tools": self.tool_schemas()}
+        return observation, info
+
+    def on_reset(self, task: Mapping[str, Any]) -> None:
+        """Hook to reset per-episode state before `initial_messages` (optional)."""
+
+    def step(self, action: Message | str) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+        message = self._before_step(action)
+        return self._after_step(self.on_action(message))
+
+    async def areset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[Observation, dict[str, Any]]:
+        if self.step_in_thread:
+            return await asyncio.to_thread(self.reset, seed=seed, options=options)
+        return self.reset(seed=seed, options=options)
+
+    async def astep(
+        self, action: Message | str
+    ) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+        message = self._before_step(action)
+        return self._after_step(await self.aon_action(message))
+
+    def _before_step(self, action: Message | str) -> Message:
+        if self.task is None:
+            raise gymnasium.error.ResetNeeded("call reset() before step()")
+        if self.done:
+            raise gymnasium.error.ResetNeeded("the episode is over; call reset() first")
+        message = as_message(action)
+        if message.role != "assistant":
+            raise ValueError(f"an action must be an assistant message, got role {message.role!r}")
+        self.turn += 1
+        self.history.append(message)
+        return message
+
+    def _after_step(
+        self, result: StepResult
+    ) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+        observation = tuple(as_message(m, role="user") for m in result.observation)
+        self.history.extend(observation)
+        terminated = bool(result.terminated)
+        truncated = not terminated and self.turn >= self.max_turns
+        self.done = terminated or truncated
+        info = dict(result.info)
+        if result.stop_reason is not None:
+            info["stop_reason"] = result.stop_reason.value
+        elif terminated:
+            info["stop_reason"] = StopReason.TERMINATED.value
+        elif truncated:
+            info["stop_reason"] = StopReason.TRUNCATED.value
+        return observation, float(result.reward), terminated, truncated, info
+
+    def render(self) -> str | None:
+        if self.render_mode != "ansi":
+            return None
+        return "\n".join(f"[{m.role}] {m.content}" for m in self.history)
+
+    def close(self) -> None:
+        self.closed = True  # idempotent; subclasses release resources and call super().close()
+
+    # ----- snapshot / fork ----------------------------------------------------------------
+    def snapshot(self) -> bytes:
+        """The episode state as bytes (restore with `restore`); excludes shared resources."""
+        state = {k: v for k, v in self.__dict__.items() if k not in self.snapshot_exclude}
+        return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def restore(self, state: bytes) -> None:
+        """Return to a state taken by `snapshot` (of this env or of one of the same class)."""
+        self.__dict__.update(pickle.loads(state))
+
+    def fork(self) -> Env:
+        """An independent copy at the current point of the episode (shared resources kept)."""
+        clone = copy.copy(self)
+        clone.__dict__ = dict(self.__dict__)
+        clone.restore(self.snapshot())
+        return clone
+
+
+class MultiTurnEnv(Env):
+    """An env with per-turn rewards and a final reward added on the last turn.
+
+    Implement `respond` (the env's reply and whether the episode is over) and optionally
+    `turn_reward` and `final_reward`; the step reward is ``turn_reward`` plus, on the step that
+    ends the episode (terminated or out of turns), ``final_reward``.
+    """
+
+    def __init__(self, *, max_turns: int = 8, **kwargs: Any) -> None:
+        super().__init__(max_turns=max_turns, **kwargs)
+
+    def respond(self, action: Message) -> StepResult:
+        raise NotImplementedError(f"{type(self).__name__} must implement respond()")
+
+    def turn_reward(self, action: Message, result: StepResult) -> float:
+        return result.reward
+
+    def final_reward(self) -> float:
+        return 0.0
+
+    def on_action(self, action: Message) -> StepResult:
+        return self._with_rewards(action, self.respond(action))
+
+    def _with_rewards(self, action: Message, result: StepResult) -> StepResult:
+        reward = self.turn_reward(action, result)
+        if result.terminated or self.turn >= self.max_turns:
+            final = self.final_reward()
+            result.info.setdefault("final_reward", final)
+            reward += final
+        result.reward = reward
+        return result

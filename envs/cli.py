@@ -1,0 +1,93 @@
+"""``palaestra envs list|check|play``: inspect, verify and play environments by hand."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from typing import Any
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    sub.add_parser("list", help="registered envs with their description and tools")
+    check = sub.add_parser("check", help="gymnasium's check_env plus palaestra's own checks")
+    check.add_argument("ids", nargs="*", help="env ids (default: every palaestra env)")
+    play = sub.add_parser("play", help="type the assistant turns yourself")
+    play.add_argument("id", help="env id, e.g. palaestra/Calculator-v0")
+    play.add_argument("--seed", type=int, default=0)
+    play.add_argument("--kwargs", default="{}", help="env kwargs as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    import palaestra.envs as envs
+
+    if args.action == "list":
+        for env_id in envs.palaestra_env_ids():
+            info = envs.describe(env_id)
+            tools = ", ".join(info.tools) or "-"
+            text = info.description if info.error is None else f"(unavailable: {info.error})"
+            print(f"{env_id:34s} tools: {tools:24s} {text}")
+        return 0
+    if args.action == "check":
+        from palaestra.envs.checks import check_env_id
+
+        failed = 0
+        for env_id in args.ids or envs.palaestra_env_ids():
+            report = check_env_id(env_id)
+            status = "ok" if report.ok else "FAILED"
+            print(f"{env_id}: {status} ({len(report.passed)}/{len(report.passed) + len(report.failed)})")
+            for name, why in report.failed.items():
+                print(f"  - {name}: {why}")
+            failed += not report.ok
+        return 1 if failed else 0
+    return _play(args.id, args.seed, json.loads(args.kwargs))
+
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def _typed_action(text: str) -> Any:
+    """Turn a typed line into an assistant message, parsing ``<tool_call>{json}</tool_call>``."""
+    from palaestra.types import Message, ToolCall
+
+    calls = []
+    for i, body in enumerate(_TOOL_CALL.findall(text)):
+        try:
+            data = json.loads(body)
+            calls.append(
+                ToolCall(name=str(data.get("name", "")), arguments=json.dumps(data.get("arguments", {})), id=f"call_{i}")
+            )
+        except (json.JSONDecodeError, AttributeError) as exc:
+            calls.append(ToolCall(name="", arguments=body, id=f"call_{i}", parse_error=str(exc)))
+    return Message(role="assistant", content=text, tool_calls=tuple(calls))
+
+
+def _play(env_id: str, seed: int, kwargs: dict[str, Any]) -> int:
+    import palaestra.envs as envs
+
+    env = envs.make(env_id, **kwargs)
+    observation, info = env.reset(seed=seed)
+    if info.get("tools"):
+        names = ", ".join(t["function"]["name"] for t in info["tools"])
+        print(f"tools: {names}  (call one with <tool_call>{{\"name\": ..., \"arguments\": {{...}}}}</tool_call>)")
+    total = 0.0
+    while True:
+        for message in observation:
+            print(f"[{message.role}] {message.content}")
+        try:
+            line = input("assistant> ")
+        except EOFError:
+            print()
+            break
+        observation, reward, terminated, truncated, step_info = env.step(_typed_action(line))
+        total += reward
+        print(f"  reward={reward:g} terminated={terminated} truncated={truncated} {step_info}")
+        if terminated or truncated:
+            for message in observation:
+                print(f"[{message.role}] {message.content}")
+            print(f"episode over: return {total:g} ({step_info.get('stop_reason', '')})")
+            break
+    env.close()
+    return 0
+

@@ -1,0 +1,104 @@
+"""Environment registration through gymnasium's registry, under the ``palaestra/`` namespace.
+
+Built-in envs are registered with string entry points, so their heavy dependencies load only when
+`make` runs. Third-party packages register their own envs with `register` (or gymnasium's), and
+``make("their.module:Their-v0")`` imports the module first, as gymnasium does.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import gymnasium
+
+from palaestra.errors import EnvNotFoundError, MissingExtraError
+
+NAMESPACE = "palaestra"
+
+#: id -> entry point of the built-in environments (kwargs come from `make` or the TOML config).
+BUILTIN_ENVS: dict[str, str] = {
+    "palaestra/Calculator-v0": "palaestra.envs.calculator:CalculatorEnv",
+}
+
+
+def register(env_id: str, entry_point: str | type, **kwargs: Any) -> None:
+    """Register an env (idempotent for the same entry point). ``kwargs`` become defaults."""
+    existing = gymnasium.registry.get(env_id)
+    if existing is not None and existing.entry_point == entry_point:
+        return
+    gymnasium.register(
+        env_id,
+        entry_point=entry_point,
+        kwargs=kwargs,
+        disable_env_checker=True,  # palaestra envs are checked by `palaestra envs check`
+        order_enforce=False,
+    )
+
+
+def register_builtin() -> None:
+    for env_id, entry_point in BUILTIN_ENVS.items():
+        register(env_id, entry_point)
+
+
+def make(env_id: str, **kwargs: Any) -> Any:
+    """Create an env by id (``palaestra/Calculator-v0`` or ``some.module:Their-v0``).
+
+    Returns the env itself, not wrapped, so the async and snapshot methods stay reachable.
+    """
+    register_builtin()
+    module, _, bare_id = env_id.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            raise EnvNotFoundError(
+                f"cannot import {module!r} to find {bare_id!r} ({exc}); is the package installed?"
+            ) from None
+    if bare_id not in gymnasium.registry:
+        close = difflib.get_close_matches(bare_id, list(gymnasium.registry), n=3)
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise EnvNotFoundError(
+            f"no environment registered as {bare_id!r}.{hint} Did you register it, or import the "
+            "package that registers it (make('your.module:YourEnv-v0') imports it for you)? "
+            "`palaestra envs list` shows what is registered."
+        )
+    try:
+        env = gymnasium.make(bare_id, **kwargs)
+    except ImportError as exc:
+        missing = getattr(exc, "name", None) or str(exc)
+        raise MissingExtraError(
+            f"{bare_id} needs a package that is not installed ({missing}). Install palaestra "
+            "with the extra the env's docstring names, e.g. pip install 'palaestra[docker]'"
+        ) from exc
+    return env.unwrapped
+
+
+@dataclass(frozen=True)
+class EnvInfo:
+    """One line of `palaestra envs list`."""
+
+    id: str
+    description: str
+    tools: tuple[str, ...]
+    error: str | None = None
+
+
+def palaestra_env_ids() -> list[str]:
+    """Ids of the built-in envs plus every registered id in the ``palaestra/`` namespace."""
+    register_builtin()
+    return sorted(i for i, spec in gymnasium.registry.items() if spec.namespace == NAMESPACE)
+
+
+def describe(env_id: str) -> EnvInfo:
+    """Id, first docstring line and tool names of an env (instantiating it, which is cheap)."""
+    try:
+        env = make(env_id)
+    except Exception as exc:  # show unusable envs in the listing with the reason
+        return EnvInfo(env_id, "", (), error=f"{type(exc).__name__}: {exc}")
+    doc = (type(env).__doc__ or "").strip().splitlines()
+    tools = tuple(t["function"]["name"] for t in env.tool_schemas())
+    env.close()
+    return EnvInfo(env_id, doc[0] if doc else "", tools)
