@@ -5,6 +5,7 @@ nothing heavy is imported), as gymnasium does for its own envs.
 """
 
 from palaestra.envs.base import Env, MultiTurnEnv, StepResult, task_id_of
+from palaestra.envs.games import TextGameEnv, wrap_gymnasium
 from palaestra.envs.registry import (
     BUILTIN_ENVS,
     EnvInfo,
@@ -28,6 +29,7 @@ __all__ = [
     "MessagesSpace",
     "MultiTurnEnv",
     "StepResult",
+    "TextGameEnv",
     "Tool",
     "ToolEnv",
     "describe",
@@ -37,4 +39,5 @@ __all__ = [
     "register_builtin",
     "task_id_of",
     "tool",
+    "wrap_gymnasium",
 ]

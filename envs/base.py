@@ -63,7 +63,7 @@ class Env(gymnasium.Env[Observation, Message]):
     #: Run `on_action` in a worker thread from `astep` (False for cheap, non-blocking steps).
     step_in_thread: ClassVar[bool] = True
     #: Instance attributes left out of `snapshot` (shared resources: retrievers, sandboxes).
-    snapshot_exclude: ClassVar[tuple[str, ...]] = ()
+    snapshot_exclude: ClassVar[tuple[str, ...]] = ("_dataset",)
 
     def __init__(
         self,

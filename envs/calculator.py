@@ -10,6 +10,7 @@ Data: generated, no licence needed. This is also the quickstart task.
 from __future__ import annotations
 
 import ast
+import json
 import operator
 import re
 from collections.abc import Mapping, Sequence
@@ -154,3 +155,47 @@ def make_task(
         "expression": expression,
         "answer": answer,
     }
+
+
+def demonstrations(
+    n: int,
+    *,
+    seed: int = 0,
+    tool_fraction: float = 0.4,
+    env_kwargs: Mapping[str, Any] | None = None,
+) -> list[list[dict[str, Any]]]:
+    """Imperfect chat demonstrations for an SFT warm start (OpenAI message dicts).
+
+    A ``tool_fraction`` of them call the calculator and copy its result into the answer (right);
+    the others answer at once with a guess of the right magnitude (almost always wrong). SFT on
+    this mix teaches the format and both behaviours; RL must then learn which one earns reward.
+    """
+    rng = np.random.default_rng(seed)
+    env = CalculatorEnv(**dict(env_kwargs or {}))
+    dialogues = []
+    for i in range(n):
+        task = env.sample_task(rng)
+        system, user = env.initial_messages(task)
+        messages = [system.to_dict(), user.to_dict()]
+        if rng.random() < tool_fraction:
+            call = {
+                "id": f"call_{i}",
+                "type": "function",
+                "function": {
+                    "name": "calculator",
+                    "arguments": json.dumps({"expression": task["expression"]}),
+                },
+            }
+            messages += [
+                {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": task["answer"], "tool_call_id": call["id"], "name": "calculator"},
+                {"role": "assistant", "content": f"<answer>{task['answer']}</answer>"},
+            ]
+        else:
+            true = float(task["answer"])
+            guess = int(true + rng.normal(0, max(10.0, abs(true) * 0.3)))
+            if guess == int(true):
+                guess += 1
+            messages.append({"role": "assistant", "content": f"<answer>{guess}</answer>"})
+        dialogues.append(messages)
+    return dialogues

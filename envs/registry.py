@@ -21,6 +21,15 @@ NAMESPACE = "palaestra"
 #: id -> entry point of the built-in environments (kwargs come from `make` or the TOML config).
 BUILTIN_ENVS: dict[str, str] = {
     "palaestra/Calculator-v0": "palaestra.envs.calculator:CalculatorEnv",
+    "palaestra/SearchR1-v0": "palaestra.envs.search.env:SearchR1Env",
+    "palaestra/SearchR1Tools-v0": "palaestra.envs.search.env:SearchR1ToolsEnv",
+    "palaestra/GSM8K-v0": "palaestra.envs.math:GSM8KEnv",
+    "palaestra/MATH-v0": "palaestra.envs.math:MATHEnv",
+    "palaestra/Code-v0": "palaestra.envs.code.env:CodeEnv",
+    "palaestra/FrozenLake-v0": "palaestra.envs.games:FrozenLakeTextEnv",
+    "palaestra/Taxi-v0": "palaestra.envs.games:TaxiTextEnv",
+    "palaestra/CliffWalking-v0": "palaestra.envs.games:CliffWalkingTextEnv",
+    "palaestra/Blackjack-v0": "palaestra.envs.games:BlackjackTextEnv",
 }
 
 

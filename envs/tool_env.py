@@ -26,7 +26,7 @@ class ToolEnv(MultiTurnEnv):
     """Multi-turn env with tools; subclasses implement `initial_messages` and `score`."""
 
     step_in_thread: ClassVar[bool] = False  # tools decide themselves whether to use a thread
-    snapshot_exclude: ClassVar[tuple[str, ...]] = ("_tools",)
+    snapshot_exclude: ClassVar[tuple[str, ...]] = ("_dataset", "_tools")
 
     def __init__(
         self,

@@ -57,7 +57,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"palaestra {name}", description=help_text)
     module.configure(parser)
-    args = parser.parse_args(rest)
+    if getattr(module, "ACCEPTS_OVERRIDES", False):
+        # config commands take any `--section.key value` override after their own flags
+        args, overrides = parser.parse_known_args(rest)
+        args.overrides = overrides
+    else:
+        args = parser.parse_args(rest)
     return int(module.run(args) or 0)
 
 

@@ -1,0 +1,231 @@
+"""Policies the harness evaluates: a token-level engine with agents, or a chat API model.
+
+- `TokenPolicy`: any `Engine` (embedded `LocalEngine`, `SGLangEngine`/`Router` over HTTP, a
+  scripted engine in tests) plus the agent of each benchmark's family, played through
+  `palaestra.rollout.run_episode`, the loop training uses, so parsers and rewards are the same.
+- `ChatPolicy`: a `ChatModel` (`palaestra.benchmarks.openai_chat.OpenAIChat` for an
+  OpenAI-compatible endpoint), played through the message-level loop of
+  `palaestra.benchmarks.chat_episode`.
+
+Remote token-level engines go through `RetryingEngine`, which spaces requests under a rate limit
+and retries HTTP 429/5xx and dropped connections with backoff (`OpenAIChat` does the same).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from palaestra.benchmarks.chat_episode import ChatModel, run_chat_episode
+from palaestra.benchmarks.limits import RateLimiter, describe_retry, with_retries
+from palaestra.benchmarks.registry import Benchmark
+from palaestra.errors import EngineError
+from palaestra.rollout.engines.base import Generation, SamplingParams
+from palaestra.types import Trajectory
+
+
+def _sampling(
+    *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, sampling_seed: int | None
+) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=sampling_seed,
+    )
+
+
+class RetryingEngine:
+    """An `Engine` whose `generate` is rate limited and retried on transient failures."""
+
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        retries: int = 6,
+        rpm: float | None = None,
+        name: str = "engine",
+        retry_base_s: float = 1.0,
+    ) -> None:
+        self.engine = engine
+        self.retries = retries
+        self.retry_base_s = retry_base_s
+        self.limiter = RateLimiter(rpm)
+        self.name = name
+
+    def __getattr__(self, item: str) -> Any:  # everything but generate goes to the engine
+        return getattr(self.engine, item)
+
+    @property
+    def weight_version(self) -> int:
+        return int(self.engine.weight_version)
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
+    ) -> Generation:
+        async def call() -> Generation:
+            await self.limiter.acquire()
+            return await self.engine.generate(
+                input_ids, sampling, request_id=request_id, session_id=session_id
+            )
+
+        return await with_retries(
+            call,
+            retries=self.retries,
+            base_delay_s=self.retry_base_s,
+            on_retry=describe_retry(self.name),
+        )
+
+
+class TokenPolicy:
+    """Episodes through `run_episode` with an engine and one agent per episode."""
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        *,
+        model: str,
+        family: str = "qwen",
+        max_context: int = 4096,
+        enable_thinking: bool | None = None,
+        owns_engine: bool = False,
+    ) -> None:
+        from palaestra.agents import get_renderer
+
+        get_renderer(family)  # an unknown family fails now
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model = model
+        self.family = family
+        self.max_context = max_context
+        self.enable_thinking = enable_thinking
+        self.owns_engine = owns_engine
+
+    async def check(self) -> None:
+        try:
+            start = getattr(self.engine, "start", None)  # engines that attach lazily (SGLang)
+            if start is not None:
+                await start()
+            healthy = await self.engine.health()
+        except Exception as exc:
+            raise EngineError(f"the engine for {self.model!r} is not usable: {exc}") from None
+        if not healthy:
+            raise EngineError(
+                f"the engine for {self.model!r} reports it is not healthy; check its logs"
+            )
+
+    def agent_for(self, benchmark: Benchmark) -> Any:
+        from palaestra.agents import make_agent
+
+        options = dict(benchmark.agent)
+        family = options.pop("family", self.family)
+        options.setdefault("max_context", self.max_context)
+        options.setdefault("enable_thinking", self.enable_thinking)
+        return make_agent(self.tokenizer, family, **options)
+
+    async def play(
+        self,
+        env: Any,
+        benchmark: Benchmark,
+        *,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        max_new_tokens: int,
+        seed: int | None,
+        sampling_seed: int | None,
+        task: Mapping[str, Any] | None,
+        session_id: str,
+        max_turns: int | None,
+        step_timeout_s: float | None,
+    ) -> Trajectory:
+        from palaestra.rollout.episode import run_episode
+
+        sampling = _sampling(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+            sampling_seed=sampling_seed,
+        )
+        return await run_episode(
+            env,
+            self.agent_for(benchmark),
+            self.engine,
+            sampling,
+            seed=seed,
+            task=task,
+            session_id=session_id,
+            max_turns=max_turns,
+            step_timeout_s=step_timeout_s,
+            env_id=benchmark.env_id,
+        )
+
+    async def close(self) -> None:
+        if self.owns_engine:
+            await self.engine.close()
+
+
+class ChatPolicy:
+    """Episodes through the message-level loop with a chat model."""
+
+    def __init__(self, chat: ChatModel, *, model: str) -> None:
+        self.chat = chat
+        self.model = model
+
+    async def check(self) -> None:
+        check = getattr(self.chat, "check", None)
+        if check is not None:
+            await check()
+
+    async def play(
+        self,
+        env: Any,
+        benchmark: Benchmark,
+        *,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        max_new_tokens: int,
+        seed: int | None,
+        sampling_seed: int | None,
+        task: Mapping[str, Any] | None,
+        session_id: str,
+        max_turns: int | None,
+        step_timeout_s: float | None,
+    ) -> Trajectory:
+        sampling = _sampling(
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_new_tokens=max_new_tokens,
+            sampling_seed=sampling_seed,
+        )
+        if benchmark.chat_stop:
+            sampling = replace(sampling, stop=tuple(benchmark.chat_stop))
+        return await run_chat_episode(
+            env,
+            self.chat,
+            sampling,
+            seed=seed,
+            task=task,
+            max_turns=max_turns,
+            step_timeout_s=step_timeout_s,
+            env_id=benchmark.env_id,
+        )
+
+    async def close(self) -> None:
+        close = getattr(self.chat, "close", None)
+        if close is not None:
+            await close()
+
+
+__all__ = ["ChatPolicy", "RetryingEngine", "TokenPolicy"]

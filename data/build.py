@@ -1,0 +1,135 @@
+"""Rebuild the shipped data files under ``data/`` from the verbatim copies in ``../shared/data``.
+
+Run from the repository root: ``python data/build.py [--shared ../shared/data]``. The output is
+deterministic (gzip with mtime 0, sorted keys), so rebuilding gives byte-identical files.
+
+What it writes (licences and origins in ``data/README.md`` and each folder's ``SOURCE.md``):
+
+- ``search/corpus.jsonl.gz``: the local multi-hop search corpus in the Search-R1/FlashRAG format
+  ``{"id", "contents": "\\"Title\\"\\ntext"}``: the paragraphs of HotpotQA (dev first-100 contexts
+  and the 100-question train corpus), MuSiQue (1,890), 2WikiMultihopQA (6,119) and the wiki-18
+  sample (1,000), de-duplicated on (title, text), ids "0".."N-1" in that order.
+- ``search/multihop.jsonl.gz``: the 300 HotpotQA/MuSiQue questions answerable from that corpus as
+  Search-R1 rows ``{"id", "question", "golden_answers", "data_source", "gold_ids"}``, where
+  ``gold_ids`` are the corpus ids of the supporting paragraphs.
+- ``search/nq_open_dev.jsonl.gz``: NQ-open dev (3,610 rows ``{"question", "answer"}``), verbatim.
+- ``math/gsm8k_{train,test}.jsonl.gz``, ``math/math500_test.jsonl.gz``: verbatim rows.
+- ``code/humaneval.jsonl.gz`` (verbatim), ``code/mbpp.jsonl.gz`` (the full 974-task file, verbatim).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+def _write_jsonl_gz(path: Path, rows: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    blob = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode()
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as f:
+        f.write(blob)
+    print(f"{path}: {len(rows)} rows, {path.stat().st_size:,} bytes")
+
+
+def _gzip_verbatim(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    data = gzip.decompress(src.read_bytes()) if src.suffix == ".gz" else src.read_bytes()
+    with open(dst, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as f:
+        f.write(data)
+    lines = data.count(b"\n")
+    print(f"{dst}: {lines} lines, {dst.stat().st_size:,} bytes")
+
+
+class Corpus:
+    """De-duplicating paragraph pool that hands out sequential string ids."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, str]] = []
+        self.ids: dict[tuple[str, str], str] = {}
+
+    def add(self, title: str, text: str) -> str:
+        key = (title.strip(), text.strip())
+        if key not in self.ids:
+            doc_id = str(len(self.rows))
+            self.ids[key] = doc_id
+            self.rows.append({"id": doc_id, "contents": f'"{key[0]}"\n{key[1]}'})
+        return self.ids[key]
+
+
+def build_search(shared: Path, out: Path) -> None:
+    corpus = Corpus()
+    questions: list[dict[str, Any]] = []
+
+    dev = json.loads((shared / "hotpotqa/hotpot_dev_distractor_first100_hfformat.json").read_text())
+    for i, row in enumerate(dev):
+        ctx = row["context"]
+        by_title = {}
+        for title, sentences in zip(ctx["title"], ctx["sentences"]):
+            by_title[title] = corpus.add(title, "".join(sentences))
+        gold = sorted({by_title[t] for t in row["supporting_facts"]["title"]}, key=int)
+        questions.append(
+            {"id": f"hotpotqa-dev-{i}", "question": row["question"],
+             "golden_answers": [row["answer"]], "data_source": "hotpotqa", "gold_ids": gold}
+        )
+
+    train_corpus = json.loads((shared / "hotpotqa/hotpotqa_train_corpus.json").read_text())
+    for title, sentences in train_corpus.items():
+        corpus.add(title, "".join(sentences))
+    for row in json.loads((shared / "hotpotqa/hotpotqa_train.json").read_text()):
+        by_title = {title: corpus.add(title, "".join(s)) for title, s in row["context"]}
+        gold = sorted({by_title[t] for t, _ in row["supporting_facts"]}, key=int)
+        questions.append(
+            {"id": row["_id"], "question": row["question"], "golden_answers": [row["answer"]],
+             "data_source": "hotpotqa", "gold_ids": gold}
+        )
+
+    for para in json.loads((shared / "musique/musique_train_corpus.json").read_text()):
+        corpus.add(para["title"], para["text"])
+    for row in json.loads((shared / "musique/musique_train.json").read_text()):
+        gold = sorted(
+            {corpus.add(p["title"], p["paragraph_text"]) for p in row["paragraphs"]
+             if p["is_supporting"]},
+            key=int,
+        )
+        answers = [row["answer"]] + [a for a in row["answer_aliases"] if a != row["answer"]]
+        questions.append(
+            {"id": row["id"], "question": row["question"], "golden_answers": answers,
+             "data_source": "musique", "gold_ids": gold}
+        )
+
+    for para in json.loads((shared / "2wikimultihopqa_corpus/2wikimultihopqa_corpus.json").read_text()):
+        corpus.add(para["title"], para["text"])
+    with open(shared / "wiki18_sample/sample_data.jsonl") as f:
+        for line in f:
+            title, _, text = json.loads(line)["contents"].partition("\n")
+            corpus.add(title.strip().strip('"'), text)
+
+    _write_jsonl_gz(out / "search/corpus.jsonl.gz", corpus.rows)
+    _write_jsonl_gz(out / "search/multihop.jsonl.gz", questions)
+    _gzip_verbatim(shared / "nq_open/NQ-open.dev.jsonl", out / "search/nq_open_dev.jsonl.gz")
+
+
+def build_math_and_code(shared: Path, out: Path) -> None:
+    _gzip_verbatim(shared / "gsm8k/train.jsonl", out / "math/gsm8k_train.jsonl.gz")
+    _gzip_verbatim(shared / "gsm8k/test.jsonl", out / "math/gsm8k_test.jsonl.gz")
+    _gzip_verbatim(shared / "math500/test.jsonl", out / "math/math500_test.jsonl.gz")
+    _gzip_verbatim(shared / "humaneval/HumanEval.jsonl.gz", out / "code/humaneval.jsonl.gz")
+    _gzip_verbatim(shared / "mbpp/mbpp.jsonl", out / "code/mbpp.jsonl.gz")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shared", type=Path, default=HERE.parent.parent / "shared/data")
+    parser.add_argument("--out", type=Path, default=HERE)
+    args = parser.parse_args()
+    build_search(args.shared, args.out)
+    build_math_and_code(args.shared, args.out)
+
+
+if __name__ == "__main__":
+    main()

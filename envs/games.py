@@ -1,0 +1,410 @@
+"""Text games: gymnasium's toy-text envs played in chat, and `wrap_gymnasium` for any discrete env.
+
+Each turn the model sees the game as text and answers with a move inside ``<action>...</action>``
+(the move's name, or its number); the move is played in the wrapped gymnasium env and the reply
+shows the new state and the step's reward. Per-turn rewards are the gymnasium rewards.
+
+Built in (data: none, boards come from the task's seed; licence: gymnasium, MIT):
+
+- ``palaestra/FrozenLake-v0``: a random 4x4 lake (not slippery), moves left/down/right/up;
+  reward 1 on reaching the goal, the episode ends in a hole or at the goal.
+- ``palaestra/Taxi-v0``: pick the passenger up and drop them at the destination; moves
+  south/north/east/west/pickup/dropoff; -1 per step, +20 for the delivery, -10 for an illegal
+  pickup/dropoff.
+- ``palaestra/CliffWalking-v0``: walk from S to G along a cliff; moves up/right/down/left; -1 per
+  step, -100 (and back to the start) for stepping into the cliff.
+- ``palaestra/Blackjack-v0``: one hand against the dealer; moves stick/hit; reward +1 win,
+  0 draw, -1 loss.
+
+Task rows: ``{"seed": int}`` (FrozenLake also takes ``"size"``); without a task the seed is drawn
+from the reset seed. ``info["success"]`` is 1.0 when the game was won (goal reached, passenger
+delivered, hand won).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, ClassVar
+
+import gymnasium
+import numpy as np
+
+from palaestra.envs.base import MultiTurnEnv, StepResult
+from palaestra.errors import ConfigError
+from palaestra.types import Message, StopReason
+
+RenderFn = Callable[[gymnasium.Env, Any], str]
+ParseFn = Callable[[str], "int | None"]
+SuccessFn = Callable[[gymnasium.Env, Any, float, bool], bool]
+
+_ACTION_TAG = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
+
+
+def action_parser(names: Sequence[str]) -> ParseFn:
+    """A parser reading the last ``<action>NAME</action>`` (a name of ``names`` or its index).
+
+    A message that is only a bare name or number, without tags, is accepted too.
+    """
+    lookup = {name.lower(): i for i, name in enumerate(names)}
+
+    def parse(text: str) -> int | None:
+        found = _ACTION_TAG.findall(text)
+        candidate = (found[-1] if found else text).strip().strip(".").strip().lower()
+        if candidate in lookup:
+            return lookup[candidate]
+        if re.fullmatch(r"\d+", candidate):
+            return int(candidate)
+        return None
+
+    return parse
+
+
+def default_parse(text: str) -> int | None:
+    """The integer inside the last ``<action>N</action>`` (or a bare integer message)."""
+    found = _ACTION_TAG.findall(text)
+    candidate = (found[-1] if found else text).strip()
+    return int(candidate) if re.fullmatch(r"-?\d+", candidate) else None
+
+
+def default_render(env: gymnasium.Env, observation: Any) -> str:
+    """The observation as text (and the env's ansi rendering when it has one)."""
+    text = f"Observation: {observation}"
+    if getattr(env, "render_mode", None) == "ansi":
+        text = f"{env.render()}\n{text}"
+    return text
+
+
+class TextGameEnv(MultiTurnEnv):
+    """A discrete-action gymnasium env played through text (see `wrap_gymnasium`)."""
+
+    snapshot_exclude: ClassVar[tuple[str, ...]] = ("render_fn", "parse_fn", "success_fn")
+    step_in_thread: ClassVar[bool] = False  # toy games step in microseconds
+
+    def __init__(
+        self,
+        env_id: str,
+        *,
+        render_fn: RenderFn = default_render,
+        parse_fn: ParseFn = default_parse,
+        instructions: str = "",
+        env_kwargs: Mapping[str, Any] | None = None,
+        success_fn: SuccessFn | None = None,
+        max_turns: int = 30,
+        invalid_reward: float = 0.0,
+        max_invalid: int = 3,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(max_turns=max_turns, **kwargs)
+        self.env_id = env_id
+        self.env_kwargs = dict(env_kwargs or {})
+        self.render_fn = render_fn
+        self.parse_fn = parse_fn
+        self.success_fn = success_fn
+        self.instructions = instructions
+        self.invalid_reward = float(invalid_reward)
+        self.max_invalid = max_invalid
+        self.game: gymnasium.Env | None = None
+        self.game_obs: Any = None
+        self.consecutive_invalid = 0
+        self.total_reward = 0.0
+        probe = self._make_game({})
+        if not isinstance(probe.action_space, gymnasium.spaces.Discrete):
+            raise ConfigError(
+                f"{env_id} has action space {probe.action_space}; text games need a Discrete one"
+            )
+        probe.close()
+
+    # ----- tasks ----------------------------------------------------------------------------
+    def sample_task(self, rng: np.random.Generator) -> dict[str, Any]:
+        if self._dataset is not None:
+            return super().sample_task(rng)
+        return {"seed": int(rng.integers(2**31 - 1))}
+
+    def game_kwargs(self, task: Mapping[str, Any]) -> dict[str, Any]:
+        """Keyword arguments of ``gymnasium.make`` for ``task`` (override for per-task boards)."""
+        return dict(self.env_kwargs)
+
+    def _make_game(self, task: Mapping[str, Any]) -> gymnasium.Env:
+        try:
+            return gymnasium.make(self.env_id, disable_env_checker=True, **self.game_kwargs(task))
+        except gymnasium.error.Error as exc:
+            raise ConfigError(f"cannot make the gymnasium env {self.env_id!r}: {exc}") from None
+
+    def on_reset(self, task: Mapping[str, Any]) -> None:
+        seed = task.get("seed")
+        if seed is not None and not isinstance(seed, (int, np.integer)):
+            raise ConfigError(f"a game task's 'seed' must be an integer, got {seed!r}")
+        if self.game is not None:
+            self.game.close()
+        self.game = self._make_game(task)
+        self.game_obs, _ = self.game.reset(seed=None if seed is None else int(seed))
+        self.consecutive_invalid = 0
+        self.total_reward = 0.0
+
+    def initial_messages(self, task: Mapping[str, Any]) -> list[Message]:
+        assert self.game is not None
+        messages = [Message(role="user", content=self.render_fn(self.game, self.game_obs))]
+        if self.instructions:
+            messages.insert(0, Message(role="system", content=self.instructions))
+        return messages
+
+    # ----- steps ----------------------------------------------------------------------------
+    def respond(self, action: Message) -> StepResult:
+        assert self.game is not None
+        move = self.parse_fn(action.content)
+        n = int(self.game.action_space.n)  # type: ignore[attr-defined]
+        if move is None or not 0 <= move < n:
+            return self._invalid(move, n)
+        self.consecutive_invalid = 0
+        self.game_obs, reward, terminated, truncated, _ = self.game.step(move)
+        reward = float(reward)
+        self.total_reward += reward
+        text = f"{self.render_fn(self.game, self.game_obs)}\nReward: {reward:g}"
+        info: dict[str, Any] = {"move": move, "game_reward": reward}
+        over = bool(terminated or truncated)
+        if over or self.turn >= self.max_turns:
+            success = self._success(reward, bool(terminated))
+            info.update(success=float(success), total_reward=self.total_reward)
+            text += "\nThe game is over." if over else ""
+        return StepResult(
+            observation=[Message(role="user", content=text)],
+            reward=reward,
+            terminated=over,
+            info=info,
+            stop_reason=StopReason.TRUNCATED if truncated and not terminated else None,
+        )
+
+    def _success(self, reward: float, terminated: bool) -> bool:
+        assert self.game is not None
+        if self.success_fn is not None:
+            return bool(self.success_fn(self.game, self.game_obs, reward, terminated))
+        return terminated and reward > 0
+
+    def _invalid(self, move: int | None, n: int) -> StepResult:
+        self.consecutive_invalid += 1
+        what = "could not find a move" if move is None else f"move {move} does not exist"
+        text = (
+            f"Invalid action: {what}. Answer with <action>MOVE</action>, MOVE being one of the "
+            f"moves listed (or its number, 0 to {n - 1})."
+        )
+        info: dict[str, Any] = {"invalid_action": True}
+        if self.consecutive_invalid >= self.max_invalid:
+            info.update(success=0.0, total_reward=self.total_reward)
+            return StepResult(
+                observation=[Message(role="user", content=text)],
+                reward=self.invalid_reward,
+                terminated=True,
+                info=info,
+                stop_reason=StopReason.PARSE_ERROR,
+            )
+        return StepResult(
+            observation=[Message(role="user", content=text)], reward=self.invalid_reward, info=info
+        )
+
+    def close(self) -> None:
+        if self.game is not None:
+            self.game.close()
+            self.game = None
+        super().close()
+
+
+def wrap_gymnasium(
+    env_id: str,
+    render_fn: RenderFn = default_render,
+    parse_fn: ParseFn = default_parse,
+    **kwargs: Any,
+) -> TextGameEnv:
+    """Make any discrete-action gymnasium env a palaestra text env.
+
+    ``render_fn(env, observation) -> str`` shows the state (``env`` is the gymnasium env, so
+    ``env.unwrapped`` is reachable); ``parse_fn(text) -> int | None`` reads the move from the
+    assistant message (None = invalid). Other keyword arguments go to `TextGameEnv`
+    (``instructions``, ``env_kwargs`` for ``gymnasium.make``, ``max_turns``, ``success_fn``...).
+    """
+    return TextGameEnv(env_id, render_fn=render_fn, parse_fn=parse_fn, **kwargs)
+
+
+# ----- the four toy-text games ------------------------------------------------------------------
+def _instructions(game: str, moves: Sequence[str]) -> str:
+    return (
+        f"You are playing {game}. Each turn, think briefly, then give exactly one move as "
+        f"<action>MOVE</action>, MOVE being one of: {', '.join(moves)}."
+    )
+
+
+FROZEN_LAKE_MOVES = ("left", "down", "right", "up")
+
+
+def render_frozen_lake(env: gymnasium.Env, observation: Any) -> str:
+    desc = env.unwrapped.desc  # type: ignore[attr-defined]
+    ncol = desc.shape[1]
+    row, col = divmod(int(observation), ncol)
+    lines = []
+    for r, cells in enumerate(desc):
+        chars = [c.decode() for c in cells]
+        if r == row:
+            chars[col] = "P"
+        lines.append(" ".join(chars))
+    board = "\n".join(lines)
+    return (
+        f"{board}\nYou are P at row {row}, column {col} (rows and columns count from 0; row 0 is "
+        "the top). S start, F frozen (safe), H hole (falling in ends the game), G goal.\n"
+        f"Moves: {', '.join(FROZEN_LAKE_MOVES)}."
+    )
+
+
+class FrozenLakeTextEnv(TextGameEnv):
+    """FrozenLake as text: reach G without falling into a hole; reward 1 at the goal.
+
+    Task: ``{"seed": int, "size": 4}``, a random lake from gymnasium's ``generate_random_map``
+    (not slippery by default). Tools: none; the move is ``<action>left|down|right|up</action>``.
+    Reward per turn: gymnasium's (1 on reaching G, else 0); a hole ends the game. Data: none
+    (boards come from the seed). Licence: gymnasium (MIT).
+    """
+
+    def __init__(self, *, size: int = 4, is_slippery: bool = False, max_turns: int = 20,
+                 **kwargs: Any) -> None:
+        self.size = size
+        self.is_slippery = is_slippery
+        super().__init__(
+            "FrozenLake-v1",
+            render_fn=render_frozen_lake,
+            parse_fn=action_parser(FROZEN_LAKE_MOVES),
+            instructions=_instructions("FrozenLake on a grid", FROZEN_LAKE_MOVES),
+            max_turns=max_turns,
+            **kwargs,
+        )
+
+    def game_kwargs(self, task: Mapping[str, Any]) -> dict[str, Any]:
+        from gymnasium.envs.toy_text.frozen_lake import generate_random_map
+
+        size = int(task.get("size", self.size))
+        seed = task.get("seed")
+        desc = generate_random_map(size=size, seed=None if seed is None else int(seed))
+        return {"desc": desc, "is_slippery": self.is_slippery, **self.env_kwargs}
+
+
+TAXI_MOVES = ("south", "north", "east", "west", "pickup", "dropoff")
+_TAXI_PLACES = ("R", "G", "Y", "B")
+
+
+def render_taxi(env: gymnasium.Env, observation: Any) -> str:
+    game = env.unwrapped
+    taxi_row, taxi_col, passenger, destination = game.decode(int(observation))  # type: ignore[attr-defined]
+    lines = [row.copy() for row in game.desc]  # type: ignore[attr-defined]
+    lines[1 + taxi_row][2 * taxi_col + 1] = b"T"
+    board = "\n".join(b"".join(row).decode() for row in lines)
+    where = "in the taxi" if passenger == 4 else f"waiting at {_TAXI_PLACES[passenger]}"
+    return (
+        f"{board}\nT is your taxi at row {taxi_row}, column {taxi_col} (from 0, row 0 at the top; "
+        "'|' is a wall, ':' can be crossed). R, G, Y, B are the stops. The passenger is "
+        f"{where}; the destination is {_TAXI_PLACES[destination]}.\nMoves: {', '.join(TAXI_MOVES)}."
+    )
+
+
+class TaxiTextEnv(TextGameEnv):
+    """Taxi as text: pick the passenger up and drop them off; -1 per step, +20 on delivery.
+
+    Task: ``{"seed": int}`` (taxi, passenger and destination from gymnasium's ``Taxi-v4`` reset).
+    Tools: none; the move is ``<action>south|north|east|west|pickup|dropoff</action>``. Reward
+    per turn: gymnasium's (-1 a step, +20 for the delivery, -10 for an illegal pickup/dropoff);
+    ``info["success"]`` is 1 on delivery. Data: none. Licence: gymnasium (MIT).
+    """
+
+    def __init__(self, *, max_turns: int = 30, **kwargs: Any) -> None:
+        super().__init__(
+            "Taxi-v4",
+            render_fn=render_taxi,
+            parse_fn=action_parser(TAXI_MOVES),
+            instructions=_instructions("Taxi on a 5x5 grid", TAXI_MOVES),
+            max_turns=max_turns,
+            **kwargs,
+        )
+
+
+CLIFF_MOVES = ("up", "right", "down", "left")
+
+
+def render_cliff_walking(env: gymnasium.Env, observation: Any) -> str:
+    nrow, ncol = env.unwrapped.shape  # type: ignore[attr-defined]
+    row, col = divmod(int(observation), ncol)
+    lines = []
+    for r in range(nrow):
+        cells = []
+        for c in range(ncol):
+            if (r, c) == (row, col):
+                cells.append("P")
+            elif r == nrow - 1 and c == 0:
+                cells.append("S")
+            elif r == nrow - 1 and c == ncol - 1:
+                cells.append("G")
+            elif r == nrow - 1:
+                cells.append("C")
+            else:
+                cells.append(".")
+        lines.append(" ".join(cells))
+    board = "\n".join(lines)
+    return (
+        f"{board}\nYou are P at row {row}, column {col} (from 0, row 0 at the top). Walk from S to "
+        "G; C is the cliff (stepping in costs -100 and sends you back to S), '.' is safe ground. "
+        f"Each step costs -1.\nMoves: {', '.join(CLIFF_MOVES)}."
+    )
+
+
+def _reached_goal(env: gymnasium.Env, observation: Any, reward: float, terminated: bool) -> bool:
+    return terminated  # CliffWalking ends only at the goal
+
+
+class CliffWalkingTextEnv(TextGameEnv):
+    """CliffWalking as text: reach G along the cliff edge; -1 per step, -100 for the cliff.
+
+    Task: ``{"seed": int}`` (the 4x12 board is fixed). Tools: none; the move is
+    ``<action>up|right|down|left</action>``. Reward per turn: gymnasium's (-1 a step, -100 and
+    back to S for the cliff); ``info["success"]`` is 1 at G. Data: none. Licence: gymnasium (MIT).
+    """
+
+    def __init__(self, *, max_turns: int = 30, **kwargs: Any) -> None:
+        super().__init__(
+            "CliffWalking-v1",
+            render_fn=render_cliff_walking,
+            parse_fn=action_parser(CLIFF_MOVES),
+            instructions=_instructions("CliffWalking on a 4x12 grid", CLIFF_MOVES),
+            success_fn=_reached_goal,
+            max_turns=max_turns,
+            **kwargs,
+        )
+
+
+BLACKJACK_MOVES = ("stick", "hit")
+
+
+def render_blackjack(env: gymnasium.Env, observation: Any) -> str:
+    game = env.unwrapped
+    player_sum, dealer_card, usable_ace = observation
+    cards = ", ".join(str(c) for c in game.player)  # type: ignore[attr-defined]
+    return (
+        f"Your cards: {cards} (total {player_sum}"
+        f"{', with an ace counted as 11' if usable_ace else ''}). The dealer shows {dealer_card} "
+        "(1 is an ace). Get closer to 21 than the dealer without going over.\n"
+        f"Moves: {', '.join(BLACKJACK_MOVES)}."
+    )
+
+
+class BlackjackTextEnv(TextGameEnv):
+    """Blackjack as text: one hand against the dealer; +1 win, 0 draw, -1 loss.
+
+    Task: ``{"seed": int}`` (the deal comes from the seed; Sutton & Barto rules). Tools: none; the
+    move is ``<action>stick|hit</action>``. Reward: gymnasium's, at the end of the hand;
+    ``info["success"]`` is 1 for a win. Data: none. Licence: gymnasium (MIT).
+    """
+
+    def __init__(self, *, max_turns: int = 8, **kwargs: Any) -> None:
+        super().__init__(
+            "Blackjack-v1",
+            render_fn=render_blackjack,
+            parse_fn=action_parser(BLACKJACK_MOVES),
+            instructions=_instructions("Blackjack", BLACKJACK_MOVES),
+            max_turns=max_turns,
+            **kwargs,
+        )

@@ -1,0 +1,201 @@
+"""The data source: task rows naming their env, drawn in seeded-shuffled epochs, resumable.
+
+A row is either ``{"env_id": "palaestra/Calculator-v0", "task": {...}}`` or a flat task row with an
+``env_id`` field (``{"env_id": ..., "question": ..., "answer": ...}``); rows without an env id use
+the source's default ``env_id``. Files: ``.jsonl``, ``.json`` (a list), ``.parquet``, or a folder
+written by Hugging Face ``datasets`` (``save_to_disk``). Each epoch visits every row once in an
+order drawn from ``(seed, epoch)``; `state_dict` / `load_state_dict` save and restore the position
+(checkpoints), so a resumed run draws exactly the tasks an uninterrupted one would have drawn.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from palaestra.envs.base import task_id_of
+from palaestra.errors import CheckpointError, ConfigError
+
+ENV_KEYS = ("env_id", "env")
+
+
+@dataclass(frozen=True)
+class TaskItem:
+    """One draw from the data source: which env, which task, and where it came from."""
+
+    env_id: str
+    task: Mapping[str, Any]
+    task_id: str
+    index: int  # row index in the dataset
+    epoch: int
+    seed: int  # deterministic per (source seed, epoch, row); episode seeds derive from it
+
+
+def load_rows(path: str | Path, *, split: str = "train") -> list[dict[str, Any]]:
+    """Rows of a ``.jsonl``/``.json``/``.parquet`` file or a ``datasets.save_to_disk`` folder."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"data file {str(p)!r} does not exist; check the path in your config")
+    if p.is_dir():
+        return _load_hf_folder(p, split)
+    suffix = p.suffix.lower()
+    if suffix == ".jsonl":
+        rows = []
+        with p.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as exc:
+                        raise ConfigError(f"{p}:{n}: not valid JSON ({exc.msg})") from None
+        return rows
+    if suffix == ".json":
+        data = json.loads(p.read_text(encoding="utf-8"))
+        if not isinstance(data, list):
+            raise ConfigError(f"{p}: a .json data file must hold a list of row objects")
+        return data
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(p).to_pylist()
+    raise ConfigError(
+        f"unsupported data file {p.name!r}; use .jsonl, .json, .parquet or a folder saved with "
+        "datasets' save_to_disk"
+    )
+
+
+def _load_hf_folder(path: Path, split: str) -> list[dict[str, Any]]:
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ConfigError(f"{path} is a folder; reading it needs `pip install datasets`") from exc
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise ConfigError(f"{path} has splits {sorted(ds)}; choose one with split=...")
+        ds = ds[split]
+    return ds.to_list()
+
+
+class DataSource:
+    """Seeded epochs over task rows with a resumable position."""
+
+    def __init__(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        *,
+        env_id: str | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        epochs: int | None = 1,
+    ) -> None:
+        if epochs is not None and epochs < 1:
+            raise ConfigError(f"epochs must be >= 1 or None (endless), got {epochs}")
+        self._items = [_split_row(row, env_id, i) for i, row in enumerate(rows)]
+        if not self._items:
+            raise ConfigError("the data source has no rows; check the data file")
+        self.shuffle = shuffle
+        self.seed = int(seed)
+        self.epochs = epochs
+        self.epoch = 0
+        self.position = 0
+        self._order = self._permutation(0)
+
+    @classmethod
+    def from_files(
+        cls, paths: str | Path | Sequence[str | Path], *, split: str = "train", **kwargs: Any
+    ) -> DataSource:
+        """Concatenate the rows of one or more data files (see `load_rows`)."""
+        if isinstance(paths, (str, Path)):
+            paths = [paths]
+        rows: list[dict[str, Any]] = []
+        for p in paths:
+            rows.extend(load_rows(p, split=split))
+        return cls(rows, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @property
+    def exhausted(self) -> bool:
+        return self.epochs is not None and self.epoch >= self.epochs
+
+    def next(self) -> TaskItem | None:
+        """The next task, or None once every epoch has been drawn."""
+        if self.exhausted:
+            return None
+        index = int(self._order[self.position])
+        env_id, task, task_id = self._items[index]
+        item = TaskItem(env_id, task, task_id, index, self.epoch, _mix(self.seed, self.epoch, index))
+        self.position += 1
+        if self.position >= len(self._items):
+            self.epoch += 1
+            self.position = 0
+            self._order = self._permutation(self.epoch)
+        return item
+
+    def __iter__(self) -> Iterator[TaskItem]:
+        while (item := self.next()) is not None:
+            yield item
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_rows": len(self._items),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if int(state["num_rows"]) != len(self._items):
+            raise CheckpointError(
+                f"the checkpoint's data position is for {state['num_rows']} rows but the data "
+                f"source has {len(self._items)}; resume with the same data files"
+            )
+        position = int(state["position"])
+        if not 0 <= position < len(self._items):
+            raise CheckpointError(f"data position {position} is out of range")
+        self.seed = int(state["seed"])
+        self.epoch = int(state["epoch"])
+        self.position = position
+        self._order = self._permutation(self.epoch)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        n = len(self._items)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch]).permutation(n)
+
+
+def _split_row(
+    row: Mapping[str, Any], default_env: str | None, index: int
+) -> tuple[str, dict[str, Any], str]:
+    if not isinstance(row, Mapping):
+        raise ConfigError(f"row {index} is a {type(row).__name__}, expected an object")
+    env_id = next((row[k] for k in ENV_KEYS if row.get(k)), default_env)
+    if not env_id:
+        raise ConfigError(
+            f"row {index} names no env (no 'env_id' field) and the data source has no default; "
+            "add an env_id column or pass env_id=... to the data source"
+        )
+    if isinstance(row.get("task"), Mapping):
+        task = dict(row["task"])
+    else:
+        task = {k: v for k, v in row.items() if k not in ENV_KEYS}
+    return str(env_id), task, task_id_of(task)
+
+
+def _mix(seed: int, epoch: int, index: int) -> int:
+    """A 31-bit seed from (seed, epoch, index), stable across processes and Python versions."""
+    x = (seed * 0x9E3779B1 + epoch * 0x85EBCA77 + index * 0xC2B2AE3D) & 0xFFFFFFFFFFFF
+    x ^= x >> 29
+    x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    return int((x ^ (x >> 32)) & 0x7FFFFFFF)
+
+
+__all__ = ["DataSource", "TaskItem", "load_rows"]

@@ -1,0 +1,109 @@
+"""CUDA graphs for `LocalEngine`'s decode step: one graph per (batch bucket, key-length bucket).
+
+A decode step of a small model launches a few hundred kernels; replaying a captured graph turns
+that into one launch, which is most of the gap to the memory-bandwidth bound at small sizes.
+The batch is padded up to a bucket (padding rows decode token 0 at position 0 in free slots) and
+the attended key length up to a multiple of ``key_granularity``, so a few graphs cover a whole
+run. Graphs capture tensor addresses: weights are updated in place (graphs stay valid); a KV
+cache reallocation or a device move drops them and they are captured again on demand.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from palaestra.rollout.engines.kv_cache import SlotKVCache
+    from palaestra.rollout.engines.model import Decoder
+
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class DecodeGraphs:
+    """Lazily captured decode graphs keyed by (padded batch, padded key length)."""
+
+    def __init__(self, decoder: Decoder, cache: SlotKVCache, max_batch: int,
+                 key_granularity: int = 256, max_graphs: int = 64) -> None:
+        self.decoder = decoder
+        self.cache = cache
+        self.buckets = [b for b in _BATCH_BUCKETS if b < max_batch] + [max_batch]
+        self.key_granularity = key_granularity
+        self.max_graphs = max_graphs
+        self._graphs: dict[tuple[int, int], tuple[Any, Any, Any, Any]] = {}
+        self._pool: Any = None
+        self._generation = cache.generation
+        self.captures = 0
+        self.replays = 0
+
+    def reset(self) -> None:
+        self._graphs.clear()
+        self._generation = self.cache.generation
+
+    def weights_changed(self) -> None:
+        """Weights are copied in place, so captured graphs stay valid."""
+
+    def _bucket(self, b: int, key_len: int) -> tuple[int, int] | None:
+        bp = next((x for x in self.buckets if x >= b), None)
+        if bp is None:
+            return None
+        g = self.key_granularity
+        lp = min(-(-key_len // g) * g, self.cache.max_length)
+        return bp, lp
+
+    def supports(self, b: int, key_len: int) -> bool:
+        key = self._bucket(b, key_len)
+        if key is None:
+            return False
+        self.cache.ensure(*key)
+        if self.cache.generation != self._generation:
+            self.reset()
+        return key in self._graphs or len(self._graphs) < self.max_graphs
+
+    def run(self, tokens: list[int], positions: list[int], key_len: int) -> torch.Tensor:
+        import torch
+
+        b = len(tokens)
+        key = self._bucket(b, key_len)
+        assert key is not None
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(*key)
+        graph, tok_buf, pos_buf, out = self._graphs[key]
+        bp = key[0]
+        host = torch.zeros(2, bp, dtype=torch.long, pin_memory=True)
+        host[0, :b] = torch.tensor(tokens)
+        host[1, :b] = torch.tensor(positions)
+        dev = host.to(tok_buf.device, non_blocking=True)
+        tok_buf.copy_(dev[0])
+        pos_buf.copy_(dev[1])
+        graph.replay()
+        self.replays += 1
+        return out[:b]
+
+    def _capture(self, bp: int, lp: int) -> tuple[Any, Any, Any, Any]:
+        import torch
+
+        dev = self.decoder.device
+        tok_buf = torch.zeros(bp, dtype=torch.long, device=dev)
+        pos_buf = torch.zeros(bp, dtype=torch.long, device=dev)
+        # The warm-up really runs: it writes position lp - 1 of every slot, which no live request
+        # has filled yet (all of them are shorter than lp - 1 before this step). Padding rows of
+        # replays write position 0 of free slots (slots >= b hold no live request).
+        pos_buf.fill_(lp - 1)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.decoder.decode(tok_buf, pos_buf, self.cache, lp)
+        torch.cuda.current_stream().wait_stream(stream)
+        pos_buf.zero_()
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self.decoder.decode(tok_buf, pos_buf, self.cache, lp)
+        self.captures += 1
+        return graph, tok_buf, pos_buf, out
+
+
+__all__ = ["DecodeGraphs"]

@@ -1,0 +1,708 @@
+"""`LocalEngine`: the embedded engine (CPU, or CUDA where present) with continuous batching.
+
+An asyncio scheduler task owns the model. Each iteration it (1) drops aborted requests, (2) admits
+waiting requests into free slots and prefills them together (only the tokens after their longest
+cached prefix), (3) runs one batched decode step for every running request, then hands control
+back to the event loop. Requests therefore join and leave the running batch between steps, and a
+weight update, pause or abort takes effect at the next step boundary. The forward passes run in
+one worker thread (torch releases the GIL), so the event loop (an HTTP server, the rollout's
+episodes) stays responsive while the model computes; all bookkeeping happens on the loop.
+
+Everything a request gets back is token-exact: the sampled ids, ``log_softmax(logits / T)`` of
+each (see `palaestra.rollout.engines.sampling`), the finish reason, the prompt tokens served from
+the prefix cache, and the weight version (with spans when an update landed mid-generation).
+
+    engine = LocalEngine("runs/tiny-model")
+    gen = await engine.generate(ids, SamplingParams(max_new_tokens=32, temperature=0))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from palaestra.errors import ConfigError, EngineError
+from palaestra.rollout.engines.base import EngineUnavailableError, Generation, SamplingParams
+from palaestra.rollout.engines.prefix_cache import PrefixCache, PrefixEntry
+
+if TYPE_CHECKING:
+    import torch
+
+    from palaestra.rollout.engines.kv_cache import SlotKVCache
+    from palaestra.rollout.engines.model import Decoder
+
+#: logits processor: called with the float32 logits ``[B, V]`` of a step (edit them in place) and
+#: the B requests (`LocalRequest`: ``request_id``, ``input_ids``, ``output_ids``, ``sampling``).
+LogitsProcessor = Callable[["torch.Tensor", Sequence["LocalRequest"]], None]
+
+
+@dataclass(eq=False)
+class LocalRequest:
+    """One request inside `LocalEngine` (read-only for logits processors)."""
+
+    request_id: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    session_id: str | None
+    future: asyncio.Future[Generation]
+    stream: asyncio.Queue[Any] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
+    entry: PrefixEntry | None = None
+    slot: int = -1
+    abort_message: str | None = None
+    stop_ids: frozenset[int] = frozenset()
+    generator: Any = None
+    version_spans: list[tuple[int, int]] = field(default_factory=list)
+    created: float = field(default_factory=time.perf_counter)
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose KV is in the cache (all but the last sampled one)."""
+        return len(self.input_ids) + max(len(self.output_ids) - 1, 0)
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """Tokens a streaming request gained in one step; ``generation`` is set on the last chunk."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    generation: Generation | None = None
+
+
+class LocalEngine:
+    """Embedded engine over a Hugging Face Llama-family checkpoint (see the module docstring).
+
+    ``max_running`` bounds the running batch (its KV slots); ``max_prefill_tokens`` the tokens one
+    prefill step computes (at least one request is always admitted); ``prefix_cache_tokens`` the
+    tokens whose KV is kept for reuse (0 disables prefix reuse).
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        hf_model: Any = None,
+        device: str | None = None,
+        dtype: Any = None,
+        max_running: int = 64,
+        max_model_len: int | None = None,
+        max_prefill_tokens: int = 4096,
+        prefix_cache_tokens: int = 32768,
+        seed: int = 0,
+        use_thread: bool = True,
+        cuda_graphs: bool = True,
+        tokenizer: Any = None,
+    ) -> None:
+        import torch
+
+        from palaestra.rollout.engines.kv_cache import SlotKVCache
+        from palaestra.rollout.engines.model import Decoder
+
+        if (model_path is None) == (hf_model is None):
+            raise ConfigError("pass exactly one of model_path or hf_model to LocalEngine")
+        if max_running < 1 or max_prefill_tokens < 1:
+            raise ConfigError("max_running and max_prefill_tokens must be >= 1")
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None:
+            dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+        elif isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        self.model_path = str(model_path) if model_path is not None else None
+        self.device = dev
+        self.dtype = dtype
+        if hf_model is not None:
+            self.decoder: Decoder = Decoder.from_hf_model(hf_model, dev, dtype)
+        else:
+            self.decoder = Decoder.from_pretrained(model_path, dev, dtype)  # type: ignore[arg-type]
+        cfg = self.decoder.config
+        self.max_model_len = min(max_model_len or cfg.max_positions, cfg.max_positions)
+        self.max_running = max_running
+        self.max_prefill_tokens = max_prefill_tokens
+        self.eos_token_ids = frozenset(cfg.eos_token_ids)
+        self.cache: SlotKVCache = SlotKVCache(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev,
+            max_length=self.max_model_len, slots=max_running if dev.type == "cuda" else 8,
+        )
+        self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
+        self.logits_processors: list[LogitsProcessor] = []
+        self._tokenizer = tokenizer
+        self._rng = torch.Generator().manual_seed(seed)
+        self._executor = (
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="palaestra-engine")
+            if use_thread else None
+        )
+        self._graphs: Any = None
+        if cuda_graphs and dev.type == "cuda":
+            from palaestra.rollout.engines.cuda_graphs import DecodeGraphs
+
+            self._graphs = DecodeGraphs(self.decoder, self.cache, max_running)
+        self._version = 0
+        self._waiting: deque[LocalRequest] = deque()
+        self._running: list[LocalRequest] = []
+        self._by_id: dict[str, LocalRequest] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._lock: asyncio.Lock | None = None
+        self._paused = False
+        self._closed = False
+        self._fatal: BaseException | None = None
+        self._ids = itertools.count()
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("requests", "finished", "aborted", "prompt_tokens", "prefill_tokens",
+             "cached_tokens", "generated_tokens", "prefill_steps", "decode_steps"), 0)
+
+    # ------------------------------------------------------------------------------- protocol
+    @property
+    def weight_version(self) -> int:
+        return self._version
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Counters (a copy): prefill_tokens are computed prompt tokens, cached_tokens reused ones."""
+        out = dict(self.counters)
+        out.update(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            weight_version=self._version,
+            prefix_cache_entries=len(self.prefix_cache) if self.prefix_cache else 0,
+            prefix_cache_tokens=self.prefix_cache.num_tokens if self.prefix_cache else 0,
+        )
+        return out
+
+    def request_ids(self) -> list[str]:
+        """Ids of the waiting and running requests."""
+        return list(self._by_id)
+
+    def set_weight_version(self, version: int) -> None:
+        """Relabel the current weights (SGLang's ``/update_weight_version``)."""
+        self._version = int(version)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (loaded on first use; only stop strings and serving need it)."""
+        if self._tokenizer is None:
+            if self.model_path is None:
+                raise EngineError("this engine has no tokenizer; pass tokenizer= to LocalEngine")
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer
+
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
+    ) -> Generation:
+        req = self._submit(input_ids, sampling, request_id, session_id, stream=False)
+        try:
+            return await asyncio.shield(req.future)
+        except asyncio.CancelledError:
+            # the caller gave up (timeout, cancelled episode): free the slot at the next step
+            self._request_abort(req, "the caller cancelled the request")
+            raise
+
+    async def stream(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams,
+        *,
+        request_id: str | None = None,
+        session_id: str | None = None,
+    ) -> AsyncIterator[StreamChunk]:
+        """Like `generate`, but yields the tokens of every step; the last chunk has the result."""
+        req = self._submit(input_ids, sampling, request_id, session_id, stream=True)
+        assert req.stream is not None
+        try:
+            while True:
+                chunk = await req.stream.get()
+                if isinstance(chunk, BaseException):
+                    raise chunk
+                yield chunk
+                if chunk.generation is not None:
+                    return
+        finally:
+            if not req.future.done():
+                self._request_abort(req, "the stream was closed by the caller")
+
+    async def update_weights(
+        self,
+        state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,
+        *,
+        path: str | None = None,
+        version: int | None = None,
+    ) -> None:
+        """Copy new weights in between two steps, flush the prefix cache, bump the version.
+
+        ``state_dict`` maps Hugging Face names to tensors (a partial dict updates those tensors
+        only, for bucketed syncs); ``path`` is a checkpoint directory or a safetensors file.
+        Running requests continue with the new weights; their generations record both versions
+        in ``meta["weight_version_spans"]``.
+        """
+        from palaestra.rollout.engines.model import iter_safetensors, safetensors_files
+
+        if (state_dict is None) == (path is None):
+            raise EngineError("update_weights takes exactly one of state_dict or path")
+        if path is not None:
+            if not Path(path).exists():
+                raise EngineError(f"no checkpoint at {path}")
+            named: Iterable[tuple[str, Any]] = iter_safetensors(safetensors_files(path))
+        elif isinstance(state_dict, Mapping):
+            named = state_dict.items()
+        else:
+            named = state_dict  # type: ignore[assignment]
+        self._ensure_started()
+        assert self._lock is not None
+        async with self._lock:
+            await self._compute(self.decoder.load_weights, named)
+            if self._graphs is not None:
+                self._graphs.weights_changed()
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+            self._version = self._version + 1 if version is None else int(version)
+
+    async def pause(self, mode: str = "in_place") -> None:
+        """Stop scheduling steps (returns once the step in flight ended).
+
+        ``mode`` is SGLang's: ``in_place`` keeps running requests for `resume`, ``abort`` aborts
+        them (they return their tokens so far with finish reason ``abort``), ``retract`` is
+        treated as ``in_place`` (the KV stays resident here).
+        """
+        if mode not in ("in_place", "abort", "retract"):
+            raise ConfigError(f"pause mode must be in_place, abort or retract, not {mode!r}")
+        self._ensure_started()
+        self._paused = True
+        if mode == "abort":
+            await self.abort(None)
+        assert self._lock is not None
+        async with self._lock:
+            pass
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._kick()
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> None:
+        """Abort the given requests (all when None): they finish with ``finish_reason="abort"``."""
+        targets = list(self._by_id.values()) if request_ids is None else [
+            self._by_id[r] for r in request_ids if r in self._by_id
+        ]
+        for req in targets:
+            self._request_abort(req, "aborted by request")
+        if request_ids is None or targets:
+            self._ensure_started()
+            assert self._lock is not None
+            if self._paused:  # a paused engine runs no steps: finish them here
+                async with self._lock:
+                    self._reap_aborted()
+
+    async def flush_cache(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+
+    async def health(self) -> bool:
+        if self._closed or self._fatal is not None:
+            return False
+        return self._task is None or not self._task.done()
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for req in list(self._by_id.values()):
+            self._fail(req, EngineUnavailableError("the engine was closed"))
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                if self._loop is asyncio.get_running_loop():
+                    await self._task
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    async def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """Free the KV cache (tag ``kv_cache``) and move weights off the GPU (tag ``weights``)."""
+        tags = list(tags or ("kv_cache", "weights"))
+        unknown = set(tags) - {"kv_cache", "weights"}
+        if unknown:
+            raise ConfigError(f"unknown memory tags {sorted(unknown)}; use kv_cache and weights")
+        if self._by_id:
+            raise EngineError("release memory only while no request is running; pause(mode='abort')")
+        self._ensure_started()
+        assert self._lock is not None
+        async with self._lock:
+            if "kv_cache" in tags:
+                self.cache.release()
+                if self.prefix_cache is not None:
+                    self.prefix_cache.clear()
+            if "weights" in tags and self.device.type != "cpu":
+                self.decoder.to_device("cpu")
+            if self._graphs is not None:
+                self._graphs.reset()
+
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        tags = list(tags or ("kv_cache", "weights"))
+        self._ensure_started()
+        assert self._lock is not None
+        async with self._lock:
+            if "weights" in tags:
+                self.decoder.to_device(self.device)
+            if "kv_cache" in tags and self.cache.slots == 0:
+                self.cache.ensure(self.max_running if self.device.type == "cuda" else 8,
+                                  min(256, self.max_model_len))
+
+    # ------------------------------------------------------------------------------ submission
+    def _submit(self, input_ids: Sequence[int], sampling: SamplingParams, request_id: str | None,
+                session_id: str | None, *, stream: bool) -> LocalRequest:
+        import torch
+
+        if self._closed:
+            raise EngineUnavailableError("the engine is closed")
+        if self._fatal is not None:
+            raise EngineUnavailableError(f"the engine's scheduler failed: {self._fatal!r}")
+        ids = [int(t) for t in input_ids]
+        if not ids:
+            raise EngineError("input_ids is empty; a request needs at least one token")
+        vocab = self.decoder.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise EngineError(f"token ids {bad[:3]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise EngineError(
+                f"the prompt has {len(ids)} tokens; the engine's context is {self.max_model_len}"
+            )
+        if sampling.stop:
+            _ = self.tokenizer  # fail now, not mid-generation
+        self._ensure_started()
+        loop = asyncio.get_running_loop()
+        rid = request_id or f"local-{next(self._ids)}-{uuid.uuid4().hex[:8]}"
+        if rid in self._by_id:
+            raise EngineError(f"request id {rid!r} is already running; use unique ids")
+        stop_ids = frozenset(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        req = LocalRequest(
+            request_id=rid, input_ids=ids, sampling=sampling, session_id=session_id,
+            future=loop.create_future(), stream=asyncio.Queue() if stream else None,
+            stop_ids=stop_ids,
+            generator=(torch.Generator().manual_seed(sampling.seed)
+                       if sampling.seed is not None else None),
+        )
+        self.counters["requests"] += 1
+        self.counters["prompt_tokens"] += len(ids)
+        if sampling.max_new_tokens == 0:
+            self._finish(req, "length", {"type": "length", "length": 0})
+            return req
+        self._by_id[rid] = req
+        self._waiting.append(req)
+        self._kick()
+        return req
+
+    def _request_abort(self, req: LocalRequest, message: str) -> None:
+        if req.future.done():
+            return
+        req.abort_message = message
+        if req in self._waiting:
+            self._waiting.remove(req)
+            self._finish(req, "abort", {"type": "abort", "message": message})
+        self._kick()
+
+    # ------------------------------------------------------------------------------- scheduler
+    def _ensure_started(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is loop and self._task is not None and not self._task.done():
+            return
+        if self._loop is not loop:
+            # a new event loop (e.g. a second asyncio.run): requests of the old loop are gone
+            self._loop = loop
+            self._wakeup = asyncio.Event()
+            self._lock = asyncio.Lock()
+            self._waiting.clear()
+            self._running.clear()
+            self._by_id.clear()
+        self._task = loop.create_task(self._run_loop(), name="palaestra-local-engine")
+
+    def _kick(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _compute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        import torch
+
+        def call() -> Any:
+            with torch.inference_mode():
+                return fn(*args)
+
+        if self._executor is None:
+            return call()
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
+
+    async def _run_loop(self) -> None:
+        assert self._wakeup is not None and self._lock is not None
+        try:
+            while not self._closed:
+                if self._paused or not (self._waiting or self._running):
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                async with self._lock:
+                    if self._paused:
+                        continue
+                    self._reap_aborted()
+                    admitted = self._admit()
+                    if admitted:
+                        await self._step(self._prefill, admitted)
+                    if self._running and not self._paused:
+                        await self._step(self._decode, list(self._running))
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a scheduler bug: fail everything loudly, stay unhealthy
+            self._fatal = exc
+            for req in list(self._by_id.values()):
+                self._fail(req, EngineUnavailableError(f"the engine's scheduler failed: {exc!r}"))
+            raise
+
+    async def _step(self, kind: Callable[[list[LocalRequest]], Any],
+                    reqs: list[LocalRequest]) -> None:
+        try:
+            tokens, logprobs = await self._compute(kind, reqs)
+        except Exception as exc:  # e.g. out of memory: fail these requests, keep serving
+            import torch
+
+            for req in reqs:
+                with torch.inference_mode():
+                    self._release_slot_of(req)
+                self._fail(req, EngineError(f"generation failed: {type(exc).__name__}: {exc}"))
+            return
+        self._after_step(reqs, tokens, logprobs)
+
+    def _reap_aborted(self) -> None:
+        for req in sorted(self._running, key=lambda r: -r.slot):
+            if req.abort_message is not None:
+                self._retire(req, "abort", {"type": "abort", "message": req.abort_message})
+
+    def _admit(self) -> list[LocalRequest]:
+        admitted: list[LocalRequest] = []
+        budget = self.max_prefill_tokens
+        while self._waiting and len(self._running) + len(admitted) < self.max_running:
+            req = self._waiting[0]
+            entry, hit = (None, 0)
+            if self.prefix_cache is not None:
+                entry, hit = self.prefix_cache.match(req.input_ids)
+                hit = min(hit, len(req.input_ids) - 1)  # at least one token computes logits
+            new = len(req.input_ids) - hit
+            if admitted and new > budget:
+                break
+            self._waiting.popleft()
+            req.entry, req.cached_tokens = (entry, hit) if hit > 0 else (None, 0)
+            req.slot = len(self._running) + len(admitted)
+            admitted.append(req)
+            budget -= new
+        return admitted
+
+    # ------------------------------------------------------------- compute (worker thread)
+    def _prefill(self, reqs: list[LocalRequest]) -> tuple[list[int], list[float]]:
+        import torch
+
+        from palaestra.rollout.engines.model import ExtendBatch
+
+        dev = self.device
+        slot0 = reqs[0].slot
+        need_len = max(len(r.input_ids) for r in reqs) + 1
+        self.cache.ensure(slot0 + len(reqs), need_len)
+        starts = [r.cached_tokens for r in reqs]
+        lens = [len(r.input_ids) - r.cached_tokens for r in reqs]
+        for r in reqs:
+            if r.entry is not None:
+                self.cache.load(r.slot, r.entry.kv, r.cached_tokens)
+                r.entry = None
+        tokens = torch.tensor([t for r in reqs for t in r.input_ids[r.cached_tokens:]],
+                              dtype=torch.long)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        slot_ids = torch.cat([torch.full((n,), r.slot) for r, n in zip(reqs, lens)])
+        ends = torch.tensor(lens).cumsum(0)
+        key_len = max(s + n for s, n in zip(starts, lens))
+        t_max = max(lens)
+        pad_index = mask = None
+        if len(reqs) > 1:
+            rows = torch.arange(len(reqs)).repeat_interleave(torch.tensor(lens))
+            within = torch.arange(int(ends[-1])) - (ends - torch.tensor(lens))[rows]
+            pad_index = (rows * t_max + within).to(dev)
+        if len(reqs) > 1 or starts[0] > 0:
+            t = torch.arange(t_max)
+            limit = torch.tensor(starts)[:, None] + t[None, :]  # [R, T] last visible key
+            mask = (torch.arange(key_len)[None, None, :] <= limit[:, :, None]).unsqueeze(1)
+            mask = mask.to(dev)
+        batch = ExtendBatch(
+            slot0=slot0, starts=starts, lens=lens, slot_ids=slot_ids.to(dev),
+            positions=positions.to(dev), pad_index=pad_index, mask=mask,
+            last_index=(ends - 1).to(dev), key_len=key_len,
+        )
+        logits = self.decoder.extend(tokens.to(dev), batch, self.cache)
+        self.counters["prefill_tokens"] += sum(lens)
+        self.counters["cached_tokens"] += sum(starts)
+        self.counters["prefill_steps"] += 1
+        return self._sample(logits, reqs)
+
+    def _decode(self, reqs: list[LocalRequest]) -> tuple[list[int], list[float]]:
+        import torch
+
+        b = len(reqs)
+        positions = [r.kv_len for r in reqs]
+        key_len = max(positions) + 1
+        self.cache.ensure(b, key_len)
+        tokens = [r.output_ids[-1] for r in reqs]
+        if self._graphs is not None and self._graphs.supports(b, key_len):
+            logits = self._graphs.run(tokens, positions, key_len)
+        else:
+            dev = self.device
+            logits = self.decoder.decode(
+                torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
+                self.cache, key_len,
+            )
+        self.counters["decode_steps"] += 1
+        return self._sample(logits, reqs)
+
+    def _sample(self, logits: torch.Tensor, reqs: list[LocalRequest]
+                ) -> tuple[list[int], list[float]]:
+        import torch
+
+        from palaestra.rollout.engines.sampling import sample_rows
+
+        for row, req in enumerate(reqs):
+            if req.sampling.logit_bias:
+                ids = torch.tensor([k for k, _ in req.sampling.logit_bias], device=logits.device)
+                vals = torch.tensor([v for _, v in req.sampling.logit_bias], device=logits.device)
+                logits[row].index_add_(0, ids, vals)
+        for proc in self.logits_processors:
+            proc(logits, reqs)
+        params = [r.sampling for r in reqs]
+        uniforms = None
+        if not all(p.greedy for p in params):
+            uniforms = torch.rand(len(reqs), generator=self._rng)
+            for row, req in enumerate(reqs):
+                if req.generator is not None:
+                    uniforms[row] = torch.rand(1, generator=req.generator)[0]
+        tokens, logprobs = sample_rows(
+            logits, [p.temperature for p in params], [p.top_p for p in params],
+            [p.top_k for p in params], uniforms,
+        )
+        return tokens.tolist(), logprobs.tolist()
+
+    # --------------------------------------------------------------- bookkeeping (event loop)
+    def _after_step(self, reqs: list[LocalRequest], tokens: list[int], logprobs: list[float]
+                    ) -> None:
+        if reqs and reqs[0] not in self._running:  # a prefill: the batch joins the running set
+            self._running.extend(reqs)
+        finished: list[tuple[LocalRequest, str, dict[str, Any]]] = []
+        version = self._version
+        for req, tok, lp in zip(reqs, tokens, logprobs):
+            if not req.version_spans or req.version_spans[-1][1] != version:
+                req.version_spans.append((len(req.output_ids), version))
+            req.output_ids.append(tok)
+            req.logprobs.append(lp)
+            if req.stream is not None:
+                req.stream.put_nowait(StreamChunk((tok,), (lp,)))
+            done = self._stop_reason(req, tok)
+            if done is not None:
+                finished.append((req, *done))
+        self.counters["generated_tokens"] += len(tokens)
+        for req, reason, detail in sorted(finished, key=lambda f: -f[0].slot):
+            self._retire(req, reason, detail)
+
+    def _stop_reason(self, req: LocalRequest, tok: int) -> tuple[str, dict[str, Any]] | None:
+        sp = req.sampling
+        if tok in req.stop_ids:
+            return "stop", {"type": "stop", "matched": tok}
+        if sp.stop:
+            tail = self.tokenizer.decode(req.output_ids[-4 * max(map(len, sp.stop)) - 4 :])
+            for s in sp.stop:
+                if s in tail:
+                    return "stop", {"type": "stop", "matched": s}
+        if len(req.output_ids) >= sp.max_new_tokens:
+            return "length", {"type": "length", "length": sp.max_new_tokens}
+        if len(req.input_ids) + len(req.output_ids) >= self.max_model_len:
+            return "length", {"type": "length", "length": len(req.output_ids)}
+        return None
+
+    def _retire(self, req: LocalRequest, reason: str, detail: dict[str, Any]) -> None:
+        """Take a running request out of its slot (keeping its KV for reuse) and finish it."""
+        import torch
+
+        with torch.inference_mode():
+            if self.prefix_cache is not None and req.kv_len >= self.prefix_cache.min_tokens:
+                n = req.kv_len
+                tokens = tuple(req.input_ids + req.output_ids)[:n]
+                self.prefix_cache.insert(tokens, self.cache.extract(req.slot, n), req.session_id)
+            self._release_slot_of(req)
+        self._finish(req, reason, detail)
+
+    def _release_slot_of(self, req: LocalRequest) -> None:
+        if req not in self._running:
+            req.slot = -1
+            return
+        last = self._running[-1]
+        if last is not req:
+            self.cache.move(last.slot, req.slot, last.kv_len)
+            self._running[req.slot] = last
+            last.slot = req.slot
+        self._running.pop()
+        req.slot = -1
+
+    def _finish(self, req: LocalRequest, reason: str, detail: dict[str, Any]) -> None:
+        self._by_id.pop(req.request_id, None)
+        if req.future.done():
+            return
+        self.counters["finished"] += 1
+        if reason == "abort":
+            self.counters["aborted"] += 1
+        spans = req.version_spans or [(0, self._version)]
+        gen = Generation(
+            token_ids=tuple(req.output_ids),
+            logprobs=tuple(req.logprobs),
+            finish_reason=reason,
+            weight_version=spans[-1][1],
+            prompt_tokens=len(req.input_ids),
+            cached_tokens=req.cached_tokens,
+            meta={
+                "id": req.request_id,
+                "finish_reason": detail,
+                "weight_version_spans": tuple(spans),
+                "e2e_latency": time.perf_counter() - req.created,
+            },
+        )
+        req.future.set_result(gen)
+        if req.stream is not None:
+            req.stream.put_nowait(StreamChunk((), (), gen))
+
+    def _fail(self, req: LocalRequest, exc: BaseException) -> None:
+        self._by_id.pop(req.request_id, None)
+        with contextlib.suppress(ValueError):
+            self._waiting.remove(req)
+        if req in self._running:
+            self._running.remove(req)
+            for i, r in enumerate(self._running):
+                r.slot = i
+        if not req.future.done():
+            req.future.set_exception(exc)
+            req.future.exception()  # mark retrieved: the caller may be gone
+            if req.stream is not None:
+                req.stream.put_nowait(exc)
+
+
+__all__ = ["LocalEngine", "LocalRequest", "LogitsProcessor", "StreamChunk"]

@@ -1,0 +1,501 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) on Hugging Face weights, for `LocalEngine`.
+
+The engine does not run the transformers module tree: per decode step that costs several Python
+calls per sub-module and a mask rebuild per layer. Instead the checkpoint's tensors are copied
+into a fused layout (one QKV matrix, one gate+up matrix per layer) and one function runs a whole
+batch through the layers with a handful of torch ops each, reading and writing the slot KV cache
+of `palaestra.rollout.engines.kv_cache`. The maths is the transformers implementation's:
+RMSNorm, rotary embeddings from the model's own rotary class (so rope scaling is honoured),
+grouped-query attention, SwiGLU; the tests check greedy tokens against ``generate`` and logprobs
+against a full forward pass.
+
+Weight updates copy in place into the fused tensors (`Decoder.load_weights`), so tensor
+addresses never change (CUDA graphs stay valid) and a partial update (one bucket) is cheap.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from palaestra.errors import EngineError
+
+if TYPE_CHECKING:
+    import torch
+
+    from palaestra.rollout.engines.kv_cache import SlotKVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """The shape of a Llama-family model, read from its Hugging Face config."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_positions: int
+    tie_word_embeddings: bool
+    qk_norm: bool
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> DecoderConfig:
+        model_type = getattr(hf, "model_type", "")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise EngineError(
+                f"LocalEngine runs {', '.join(SUPPORTED_MODEL_TYPES)} models, not {model_type!r}; "
+                "serve other architectures with SGLangEngine"
+            )
+        if getattr(hf, "use_sliding_window", False) and getattr(hf, "sliding_window", None):
+            raise EngineError("sliding-window attention is not implemented by LocalEngine")
+        heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        eos = hf.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            model_type=model_type,
+            num_layers=hf.num_hidden_layers,
+            hidden_size=hf.hidden_size,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate_size=hf.intermediate_size,
+            vocab_size=hf.vocab_size,
+            rms_norm_eps=hf.rms_norm_eps,
+            max_positions=hf.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qk_norm=model_type == "qwen3",
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+        )
+
+
+@dataclass
+class ExtendBatch:
+    """Index tensors of one prefill ("extend") forward over R requests, tokens packed.
+
+    Request r owns cache slot ``slot0 + r``, already holds ``starts[r]`` cached positions and adds
+    ``lens[r]`` new tokens; ``pad_index`` maps packed tokens into the padded ``[R, T]`` layout.
+    """
+
+    slot0: int
+    starts: list[int]
+    lens: list[int]
+    slot_ids: torch.Tensor  # [N] cache slot of each packed token
+    positions: torch.Tensor  # [N]
+    pad_index: torch.Tensor | None  # [N] row r * T + t, None when R == 1
+    mask: torch.Tensor | None  # [R, 1, T, Lk] bool (True = attend), None = plain causal
+    last_index: torch.Tensor  # [R] packed index of each request's last token
+    key_len: int  # Lk
+
+
+class _Layer:
+    __slots__ = ("in_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "post_norm", "gate_up_w",
+                 "down_w")
+
+
+class Decoder:
+    """Fused weights + the batched forward passes of a Llama-family model."""
+
+    def __init__(self, config: DecoderConfig, hf_config: Any, device: Any, dtype: Any,
+                 qkv_bias: bool) -> None:
+        import torch
+
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        c = config
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.q_dim, self.kv_dim = q_dim, kv_dim
+
+        def new(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, device=self.device, dtype=dtype)
+
+        self.embed = new(c.vocab_size, c.hidden_size)
+        self.lm_head = self.embed if c.tie_word_embeddings else new(c.vocab_size, c.hidden_size)
+        self.final_norm = new(c.hidden_size)
+        self.layers: list[_Layer] = []
+        for _ in range(c.num_layers):
+            layer = _Layer()
+            layer.in_norm = new(c.hidden_size)
+            layer.qkv_w = new(q_dim + 2 * kv_dim, c.hidden_size)
+            layer.qkv_b = new(q_dim + 2 * kv_dim) if qkv_bias else None
+            layer.q_norm = new(c.head_dim) if c.qk_norm else None
+            layer.k_norm = new(c.head_dim) if c.qk_norm else None
+            layer.o_w = new(c.hidden_size, q_dim)
+            layer.post_norm = new(c.hidden_size)
+            layer.gate_up_w = new(2 * c.intermediate_size, c.hidden_size)
+            layer.down_w = new(c.hidden_size, c.intermediate_size)
+            self.layers.append(layer)
+        self._views = self._build_views()
+        self.cos, self.sin = _rope_tables(hf_config, c, self.device, dtype)
+        self.scale = c.head_dim**-0.5
+
+    def _build_views(self) -> dict[str, torch.Tensor]:
+        """HF parameter name -> the tensor (or fused slice) that holds it."""
+        c = self.config
+        q_dim, kv_dim, inter = self.q_dim, self.kv_dim, c.intermediate_size
+        views = {
+            "model.embed_tokens.weight": self.embed,
+            "model.norm.weight": self.final_norm,
+            "lm_head.weight": self.lm_head,
+        }
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            views[p + "input_layernorm.weight"] = layer.in_norm
+            views[p + "post_attention_layernorm.weight"] = layer.post_norm
+            views[p + "self_attn.q_proj.weight"] = layer.qkv_w[:q_dim]
+            views[p + "self_attn.k_proj.weight"] = layer.qkv_w[q_dim : q_dim + kv_dim]
+            views[p + "self_attn.v_proj.weight"] = layer.qkv_w[q_dim + kv_dim :]
+            if layer.qkv_b is not None:
+                views[p + "self_attn.q_proj.bias"] = layer.qkv_b[:q_dim]
+                views[p + "self_attn.k_proj.bias"] = layer.qkv_b[q_dim : q_dim + kv_dim]
+                views[p + "self_attn.v_proj.bias"] = layer.qkv_b[q_dim + kv_dim :]
+            if layer.q_norm is not None:
+                views[p + "self_attn.q_norm.weight"] = layer.q_norm
+                views[p + "self_attn.k_norm.weight"] = layer.k_norm
+            views[p + "self_attn.o_proj.weight"] = layer.o_w
+            views[p + "mlp.gate_proj.weight"] = layer.gate_up_w[:inter]
+            views[p + "mlp.up_proj.weight"] = layer.gate_up_w[inter:]
+            views[p + "mlp.down_proj.weight"] = layer.down_w
+        return views
+
+    def to_device(self, device: Any) -> None:
+        """Move every weight to ``device`` (``release_memory_occupation`` of weights on a GPU)."""
+        import torch
+
+        device = torch.device(device)
+        if device == self.device:
+            return
+        tied = self.lm_head is self.embed
+        with torch.inference_mode():
+            self.embed = self.embed.to(device)
+            self.lm_head = self.embed if tied else self.lm_head.to(device)
+            self.final_norm = self.final_norm.to(device)
+            for layer in self.layers:
+                for name in _Layer.__slots__:
+                    t = getattr(layer, name)
+                    if t is not None:
+                        setattr(layer, name, t.to(device))
+            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        self.device = device
+        self._views = self._build_views()
+
+    # ----------------------------------------------------------------------------- weights
+    @property
+    def weight_names(self) -> list[str]:
+        return list(self._views)
+
+    def num_bytes(self) -> int:
+        seen = {self.embed.data_ptr(): self.embed.numel() * self.embed.element_size()}
+        for t in (self.lm_head, self.final_norm):
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        for layer in self.layers:
+            for name in _Layer.__slots__:
+                t = getattr(layer, name)
+                if t is not None:
+                    seen[t.data_ptr()] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+    def load_weights(self, named: Iterable[tuple[str, torch.Tensor]], *, strict: bool = True) -> int:
+        """Copy (name, tensor) pairs (HF names) into the fused weights in place; returns a count.
+
+        Unknown names and shape mismatches raise `EngineError` (all of them in one message) when
+        ``strict``; rotary ``inv_freq`` buffers are skipped.
+        """
+        import torch
+
+        problems: list[str] = []
+        count = 0
+        with torch.inference_mode():
+            for name, tensor in named:
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue
+                dst = self._views.get(name)
+                if dst is None:
+                    if strict:
+                        problems.append(f"unknown weight {name!r}")
+                    continue
+                if tuple(tensor.shape) != tuple(dst.shape):
+                    problems.append(
+                        f"{name}: shape {tuple(tensor.shape)} does not match {tuple(dst.shape)}"
+                    )
+                    continue
+                dst.copy_(tensor, non_blocking=True)
+                count += 1
+        if problems:
+            raise EngineError(
+                f"{len(problems)} weight(s) could not be loaded: {'; '.join(problems[:8])}"
+                + (" ..." if len(problems) > 8 else "")
+                + "; send tensors with the checkpoint's Hugging Face names and shapes"
+            )
+        return count
+
+    def missing_after_full_load(self, loaded: set[str]) -> list[str]:
+        skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        return sorted(set(self._views) - loaded - skip)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: Any, dtype: Any) -> Decoder:
+        """Read config.json and the safetensors files of an HF checkpoint directory."""
+        from transformers import AutoConfig
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise EngineError(
+                f"{path} has no config.json; pass a Hugging Face model directory "
+                "(e.g. one written by `palaestra init-model`)"
+            )
+        hf_config = AutoConfig.from_pretrained(path)
+        config = DecoderConfig.from_hf(hf_config)
+        files = safetensors_files(path)
+        qkv_bias = any(name.endswith("q_proj.bias") for name, _ in _iter_names(files))
+        model = cls(config, hf_config, device, dtype, qkv_bias=qkv_bias)
+        loaded: set[str] = set()
+
+        def named() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in iter_safetensors(files):
+                loaded.add(name)
+                yield name, tensor
+
+        model.load_weights(named())
+        missing = model.missing_after_full_load(loaded)
+        if missing:
+            raise EngineError(f"checkpoint {path} lacks {len(missing)} weights, e.g. {missing[:3]}")
+        return model
+
+    @classmethod
+    def from_hf_model(cls, hf_model: Any, device: Any = None, dtype: Any = None) -> Decoder:
+        """Build from an in-memory transformers model (weights are copied)."""
+        param = next(hf_model.parameters())
+        device = device if device is not None else param.device
+        dtype = dtype if dtype is not None else param.dtype
+        config = DecoderConfig.from_hf(hf_model.config)
+        state = hf_model.state_dict()
+        qkv_bias = any(k.endswith("q_proj.bias") for k in state)
+        model = cls(config, hf_model.config, device, dtype, qkv_bias=qkv_bias)
+        model.load_weights(state.items())
+        missing = model.missing_after_full_load(set(state))
+        if missing:
+            raise EngineError(f"model lacks {len(missing)} weights, e.g. {missing[:3]}")
+        return model
+
+    # ----------------------------------------------------------------------------- forward
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        import torch
+        import torch.nn.functional as F
+
+        c = self.config
+        n = x.shape[0]
+        qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+        qk_dim = self.q_dim + self.kv_dim
+        v = qkv[:, qk_dim:].view(n, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = F.rms_norm(qkv[:, : self.q_dim].view(n, c.num_heads, c.head_dim), (c.head_dim,),
+                           layer.q_norm, c.rms_norm_eps)
+            k = F.rms_norm(qkv[:, self.q_dim : qk_dim].view(n, c.num_kv_heads, c.head_dim),
+                           (c.head_dim,), layer.k_norm, c.rms_norm_eps)
+            qk = torch.cat((q, k), dim=1)
+        else:
+            qk = qkv[:, :qk_dim].view(n, c.num_heads + c.num_kv_heads, c.head_dim)
+        qk = self._rope(qk, cos, sin)
+        return qk[:, : c.num_heads], qk[:, c.num_heads :], v
+
+    def _mlp_residual(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        c = self.config
+        x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
+        gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, layer.down_w)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        c = self.config
+        h = F.rms_norm(h, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache,
+               key_len: int) -> torch.Tensor:
+        """One decode step for slots ``0..B-1`` (one token each at ``positions``); logits [B, V].
+
+        ``key_len`` must exceed every position; keys past a row's position are masked.
+        """
+        import torch
+        import torch.nn.functional as F
+
+        c = self.config
+        b = tokens.shape[0]
+        rep = c.num_heads // c.num_kv_heads
+        slots = torch.arange(b, device=tokens.device)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        keys = torch.arange(key_len, device=tokens.device)
+        mask = torch.zeros(b, 1, 1, key_len, device=tokens.device, dtype=torch.float32)
+        mask.masked_fill_((keys[None, :] > positions[:, None]).view(b, 1, 1, key_len), float("-inf"))
+        h = F.embedding(tokens, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = F.rms_norm(h, (c.hidden_size,), layer.in_norm, c.rms_norm_eps)
+            q, k, v = self._qkv(layer, x, cos, sin)
+            cache.k[i][slots, :, positions] = k
+            cache.v[i][slots, :, positions] = v
+            keys_i = cache.k[i][:b, :, :key_len]
+            vals_i = cache.v[i][:b, :, :key_len]
+            qg = (q * self.scale).view(b, c.num_kv_heads, rep, c.head_dim)
+            scores = torch.matmul(qg, keys_i.transpose(-1, -2)).float() + mask
+            probs = torch.softmax(scores, dim=-1).to(vals_i.dtype)
+            attn = torch.matmul(probs, vals_i).view(b, self.q_dim)
+            h = h + F.linear(attn, layer.o_w)
+            h = self._mlp_residual(layer, h)
+        return self._logits(h)
+
+    def extend(self, tokens: torch.Tensor, batch: ExtendBatch, cache: SlotKVCache) -> torch.Tensor:
+        """Prefill packed new tokens of R requests (see `ExtendBatch`); logits of each last token."""
+        import torch
+        import torch.nn.functional as F
+
+        c = self.config
+        r = len(batch.lens)
+        t_max = max(batch.lens)
+        positions = batch.positions
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        h = F.embedding(tokens, self.embed)
+        s0 = batch.slot0
+        for i, layer in enumerate(self.layers):
+            x = F.rms_norm(h, (c.hidden_size,), layer.in_norm, c.rms_norm_eps)
+            q, k, v = self._qkv(layer, x, cos, sin)
+            cache.k[i][batch.slot_ids, :, positions] = k
+            cache.v[i][batch.slot_ids, :, positions] = v
+            keys_i = cache.k[i][s0 : s0 + r, :, : batch.key_len]
+            vals_i = cache.v[i][s0 : s0 + r, :, : batch.key_len]
+            if batch.pad_index is None:
+                qp = q.view(1, t_max, c.num_heads, c.head_dim).transpose(1, 2)
+            else:
+                qp = q.new_zeros(r * t_max, c.num_heads, c.head_dim)
+                qp[batch.pad_index] = q
+                qp = qp.view(r, t_max, c.num_heads, c.head_dim).transpose(1, 2)
+            out = _attention(qp, keys_i, vals_i, batch.mask, self.scale)  # [R, H, T, D]
+            out = out.transpose(1, 2).reshape(r * t_max, self.q_dim)
+            if batch.pad_index is not None:
+                out = out[batch.pad_index]
+            h = h + F.linear(out, layer.o_w)
+            h = self._mlp_residual(layer, h)
+        return self._logits(h[batch.last_index])
+
+    def prefill_full(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of every position of one sequence without any cache (tests, scoring) [T, V]."""
+        import torch
+        import torch.nn.functional as F
+
+        c = self.config
+        n = tokens.shape[0]
+        positions = torch.arange(n, device=tokens.device)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        h = F.embedding(tokens, self.embed)
+        for layer in self.layers:
+            x = F.rms_norm(h, (c.hidden_size,), layer.in_norm, c.rms_norm_eps)
+            q, k, v = self._qkv(layer, x, cos, sin)
+            out = _attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                             v.transpose(0, 1)[None], None, self.scale)
+            h = h + F.linear(out[0].transpose(0, 1).reshape(n, self.q_dim), layer.o_w)
+            h = self._mlp_residual(layer, h)
+        return self._logits(h)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+               scale: float) -> torch.Tensor:
+    """Grouped-query SDPA: q [R, H, T, D], k/v [R, Hkv, L, D]; causal when ``mask`` is None."""
+    import torch.nn.functional as F
+
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1 and q.device.type != "cpu":
+        # the fused CUDA kernels take equal head counts; expanding costs one copy per layer
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        rep = 1
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=rep > 1
+    )
+
+
+def _rope_tables(hf_config: Any, c: DecoderConfig, device: Any, dtype: Any
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[max_positions, head_dim]`` from the model's own rotary-embedding class."""
+    import importlib
+
+    import torch
+
+    module = importlib.import_module(f"transformers.models.{c.model_type}.modeling_{c.model_type}")
+    rotary_cls = next(
+        getattr(module, name) for name in dir(module) if name.endswith("RotaryEmbedding")
+    )
+    rotary = rotary_cls(config=hf_config)
+    x = torch.zeros(1, dtype=torch.float32)
+    with torch.no_grad():
+        cos, sin = rotary(x, torch.arange(c.max_positions)[None])
+    return cos[0].to(device=device, dtype=dtype), sin[0].to(device=device, dtype=dtype)
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (sharded or not), or the file itself."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise EngineError(f"no *.safetensors files in {path}; save the model with safetensors")
+    return files
+
+
+def _iter_names(files: list[Path]) -> Iterator[tuple[str, Path]]:
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, f
+
+
+def iter_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of safetensors files, one tensor in memory at a time."""
+    from safetensors import safe_open
+
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "Decoder",
+    "DecoderConfig",
+    "ExtendBatch",
+    "iter_safetensors",
+    "safetensors_files",
+]

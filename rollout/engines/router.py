@@ -1,0 +1,215 @@
+"""`Router`: one `Engine` over several, for data-parallel rollouts.
+
+- **Least outstanding requests**: a request goes to the healthy engine with the fewest requests
+  in flight from this router (ties round-robin).
+- **Sticky sessions**: all turns of one ``session_id`` go to the same engine while it is healthy,
+  so its prefix cache serves the conversation so far.
+- **Failover**: an `EngineUnavailableError` (connection error, 5xx) marks the engine unhealthy
+  and the request is retried from scratch on another engine; sessions move with it.
+- **Health checks**: a background task polls ``health()`` of every engine, taking unhealthy
+  ones out and putting recovered ones back.
+- Engines can be added and removed at runtime; control calls (weights, pause, abort, flush) go
+  to every engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from palaestra.errors import EngineError
+from palaestra.rollout.engines.base import Engine, EngineUnavailableError, Generation, SamplingParams
+
+
+@dataclass(eq=False)
+class _Member:
+    engine: Engine
+    name: str
+    healthy: bool = True
+    outstanding: int = 0
+    served: int = 0
+    failures: int = 0
+
+
+class Router:
+    """Routes requests over engines (see the module docstring)."""
+
+    def __init__(self, engines: Sequence[Engine] = (), *, health_interval_s: float = 5.0,
+                 health_timeout_s: float = 5.0, max_sessions: int = 100_000,
+                 close_engines: bool = True) -> None:
+        self._members: list[_Member] = []
+        self._sessions: OrderedDict[str, _Member] = OrderedDict()
+        self._where: dict[str, _Member] = {}
+        self._rr = itertools.count()
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.max_sessions = max_sessions
+        self.close_engines = close_engines
+        self._health_task: asyncio.Task[None] | None = None
+        self._version = 0
+        for e in engines:
+            self.add_engine(e)
+
+    # ---------------------------------------------------------------------------- members
+    def add_engine(self, engine: Engine, name: str | None = None) -> None:
+        self._members.append(_Member(engine, name or getattr(engine, "url", None)
+                                     or f"engine-{len(self._members)}"))
+
+    def remove_engine(self, engine: Engine | str) -> Engine:
+        """Stop routing to an engine (requests in flight on it finish); returns it."""
+        for m in self._members:
+            if m.engine is engine or m.name == engine:
+                self._members.remove(m)
+                for sid in [s for s, mm in self._sessions.items() if mm is m]:
+                    del self._sessions[sid]
+                return m.engine
+        raise EngineError(f"no engine {engine!r} in this router")
+
+    @property
+    def engines(self) -> list[Engine]:
+        return [m.engine for m in self._members]
+
+    def status(self) -> list[dict[str, Any]]:
+        return [{"name": m.name, "healthy": m.healthy, "outstanding": m.outstanding,
+                 "served": m.served, "failures": m.failures} for m in self._members]
+
+    def _pick(self, session_id: str | None, exclude: set[int]) -> _Member | None:
+        live = [m for m in self._members if m.healthy and id(m) not in exclude]
+        if not live:
+            return None
+        if session_id is not None:
+            sticky = self._sessions.get(session_id)
+            if sticky is not None and sticky in live:
+                self._sessions.move_to_end(session_id)
+                return sticky
+        low = min(m.outstanding for m in live)
+        ties = [m for m in live if m.outstanding == low]
+        chosen = ties[next(self._rr) % len(ties)]
+        if session_id is not None:
+            self._sessions[session_id] = chosen
+            self._sessions.move_to_end(session_id)
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        return chosen
+
+    def _ensure_health_task(self) -> None:
+        if self.health_interval_s <= 0:
+            return
+        if self._health_task is None or self._health_task.done():
+            self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def _check(self, m: _Member) -> None:
+        try:
+            ok = await asyncio.wait_for(m.engine.health(), self.health_timeout_s)
+        except (asyncio.TimeoutError, Exception):
+            ok = False
+        m.healthy = bool(ok)
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.gather(*(self._check(m) for m in list(self._members)))
+            await asyncio.sleep(self.health_interval_s)
+
+    # --------------------------------------------------------------------------- protocol
+    @property
+    def weight_version(self) -> int:
+        versions = [m.engine.weight_version for m in self._members if m.healthy]
+        return min(versions) if versions else self._version
+
+    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, *,
+                       request_id: str | None = None, session_id: str | None = None) -> Generation:
+        self._ensure_health_task()
+        tried: set[int] = set()
+        errors: list[str] = []
+        while True:
+            m = self._pick(session_id, tried)
+            if m is None:
+                if not tried:  # everything marked down: look again before giving up
+                    await asyncio.gather(*(self._check(x) for x in self._members))
+                    m = self._pick(session_id, tried)
+                if m is None:
+                    raise EngineUnavailableError(
+                        "no healthy engine left for the request"
+                        + (f"; tried: {'; '.join(errors)}" if errors else
+                           f" ({len(self._members)} engines, none healthy)"))
+            tried.add(id(m))
+            m.outstanding += 1
+            if request_id is not None:
+                self._where[request_id] = m
+            try:
+                gen = await m.engine.generate(input_ids, sampling, request_id=request_id,
+                                              session_id=session_id)
+            except EngineUnavailableError as exc:
+                m.healthy = False
+                m.failures += 1
+                errors.append(f"{m.name}: {exc}")
+                continue
+            finally:
+                m.outstanding -= 1
+                if request_id is not None:
+                    self._where.pop(request_id, None)
+            m.served += 1
+            return gen
+
+    async def _broadcast(self, what: str, *args: Any, **kw: Any) -> None:
+        members = [m for m in self._members if m.healthy]
+        results = await asyncio.gather(*(getattr(m.engine, what)(*args, **kw) for m in members),
+                                       return_exceptions=True)
+        failed = [(m, r) for m, r in zip(members, results) if isinstance(r, BaseException)]
+        for m, r in failed:
+            if isinstance(r, EngineUnavailableError):
+                m.healthy = False
+        if failed:
+            raise EngineError(f"{what} failed on {len(failed)} engine(s): "
+                              + "; ".join(f"{m.name}: {r}" for m, r in failed))
+
+    async def update_weights(self, state_dict: Any = None, *, path: str | None = None,
+                             version: int | None = None) -> None:
+        new = self.weight_version + 1 if version is None else version
+        await self._broadcast("update_weights", state_dict, path=path, version=new)
+        self._version = new
+
+    async def pause(self, mode: str = "in_place") -> None:
+        if mode == "in_place":  # the protocol's pause() takes no mode
+            await self._broadcast("pause")
+        else:
+            await self._broadcast("pause", mode)
+
+    async def resume(self) -> None:
+        await self._broadcast("resume")
+
+    async def abort(self, request_ids: Sequence[str] | None = None) -> None:
+        if request_ids is None:
+            await self._broadcast("abort", None)
+            return
+        by_member: dict[int, tuple[_Member, list[str]]] = {}
+        for rid in request_ids:
+            m = self._where.get(rid)
+            if m is not None:
+                by_member.setdefault(id(m), (m, []))[1].append(rid)
+        await asyncio.gather(*(m.engine.abort(rids) for m, rids in by_member.values()))
+
+    async def flush_cache(self) -> None:
+        await self._broadcast("flush_cache")
+
+    async def health(self) -> bool:
+        await asyncio.gather(*(self._check(m) for m in self._members))
+        return any(m.healthy for m in self._members)
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, RuntimeError):
+                await self._health_task
+        if self.close_engines:
+            for m in self._members:
+                with contextlib.suppress(Exception):
+                    await m.engine.close()
+
+
+__all__ = ["Router"]

@@ -1,0 +1,96 @@
+"""Batched sampling and the logprob convention shared by the engines and the trainers.
+
+**Logprob convention.** The logprob an engine reports for a sampled token is
+``log_softmax(logits / T)[token]`` where ``logits`` are the model's raw float32 logits (plus any
+``logit_bias``), ``T`` is the request's temperature (``T = 1`` for greedy requests), and top-k /
+top-p filtering is **not** applied. This is SGLang's default (its sampler scales by temperature
+before the softmax that yields ``output_token_logprobs``; top-k/top-p only restrict which token is
+drawn) and what slime and verl compute on the training side: the trainer scales its logits by the
+same rollout temperature and calls `token_logprobs` below, so the two sides agree to float
+precision (the tests check 1e-4 against a full forward pass).
+
+Sampling draws one uniform number per row and inverts the CDF of the filtered, renormalised
+distribution. Rows with a seed draw it from their own generator, so a seeded request samples the
+same tokens whichever batch it shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Logprobs of ``token_ids`` under ``softmax(logits / temperature)`` (``[..., V] -> [...]``).
+
+    The trainer-side twin of the engines' sampling logprobs: call it on the policy's logits of the
+    positions that predicted each sampled token, with the rollout's temperature (0 means greedy and
+    is treated as 1).
+    """
+    import torch
+
+    t = temperature if temperature > 1e-6 else 1.0
+    logp = torch.log_softmax(logits.float() / t, dim=-1)
+    return logp.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    temperatures: Sequence[float],
+    top_ps: Sequence[float],
+    top_ks: Sequence[int],
+    uniforms: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits`` ``[B, V]`` (float32); returns (tokens, logprobs).
+
+    ``temperatures[b] == 0`` (or ``top_ks[b] == 1``) picks the argmax. ``uniforms`` holds one
+    number in [0, 1) per row (ignored for greedy rows; may be None when every row is greedy).
+    """
+    import torch
+
+    batch, vocab = logits.shape
+    greedy = [t < 1e-6 or k == 1 for t, k in zip(temperatures, top_ks)]
+    if all(greedy):
+        tokens = logits.argmax(dim=-1)
+        logp = torch.log_softmax(logits, dim=-1)
+        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+    temps = torch.tensor(
+        [1.0 if g else t for g, t in zip(greedy, temperatures)], dtype=logits.dtype
+    ).to(logits.device, non_blocking=True)
+    logp_all = torch.log_softmax(logits / temps[:, None], dim=-1)
+    probs = logp_all.exp()
+    assert uniforms is not None, "uniforms are required when a row samples"
+    u = uniforms.to(device=logits.device, dtype=logits.dtype)
+    needs_filter = any(
+        not g and (0 < k < vocab or p < 1.0) for g, k, p in zip(greedy, top_ks, top_ps)
+    )
+    if needs_filter:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
+        ps = torch.tensor(list(top_ps), dtype=logits.dtype, device=logits.device)
+        ranks = torch.arange(vocab, device=logits.device)
+        keep = ranks[None, :] < ks[:, None]
+        # top-p: keep the smallest prefix whose mass reaches p (the first token always stays)
+        before = sorted_p.cumsum(dim=-1) - sorted_p
+        keep &= before < ps[:, None]
+        cdf = torch.where(keep, sorted_p, torch.zeros_like(sorted_p)).cumsum(dim=-1)
+        pos = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+        # ``keep`` is a prefix of the sorted order: never step past its last token (rounding)
+        pos = torch.minimum(pos, keep.sum(dim=-1, keepdim=True) - 1)
+        sampled = order.gather(1, pos).squeeze(1)
+    else:
+        cdf = probs.cumsum(dim=-1)
+        pos = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
+        sampled = pos.squeeze(1)
+    if any(greedy):
+        mask = torch.tensor(greedy, device=logits.device)
+        sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
+    return sampled, logp_all.gather(1, sampled[:, None]).squeeze(1)
+
+
+__all__ = ["sample_rows", "token_logprobs"]

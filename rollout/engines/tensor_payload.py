@@ -1,0 +1,69 @@
+"""Named tensors in ``/update_weights_from_tensor``'s ``serialized_named_tensors`` (one per TP rank).
+
+SGLang fills each entry with ``MultiprocessingSerializer.serialize(named_tensors)`` (a pickle
+that carries CUDA IPC handles or shared-memory file descriptors, so the tensors never travel
+over HTTP: the trainer and the server share a host), base64-encoded for JSON. Those handles only
+mean something to torch's multiprocessing reductions on the same host and device.
+
+`palaestra serve` accepts a self-contained, same-host-or-not form instead: base64 of the
+**safetensors** serialisation of the named tensors (``safetensors.torch.save``). It is detected
+by its header (8-byte little-endian length followed by a JSON object), so an SGLang pickle
+payload gets a clear 400 instead of an unpickling attempt (which would also be unsafe).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from palaestra.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+SAFETENSORS_FORMAT = "safetensors"
+
+
+def encode_named_tensors(named: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> str:
+    """base64(safetensors bytes) of (name, tensor) pairs (tensors are made contiguous, on CPU)."""
+    from safetensors.torch import save
+
+    pairs = named.items() if isinstance(named, Mapping) else named
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in pairs}
+    return base64.b64encode(save(tensors)).decode("ascii")
+
+
+def is_safetensors(raw: bytes) -> bool:
+    if len(raw) < 10:
+        return False
+    (n,) = struct.unpack("<Q", raw[:8])
+    if n <= 0 or 8 + n > len(raw):
+        return False
+    try:
+        header = json.loads(raw[8 : 8 + n])
+    except ValueError:
+        return False
+    return isinstance(header, dict)
+
+
+def decode_named_tensors(payload: str) -> dict[str, torch.Tensor]:
+    """Inverse of `encode_named_tensors`; a non-safetensors payload raises `ConfigError`."""
+    from safetensors.torch import load
+
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"serialized_named_tensors entries must be base64 strings: {exc}") from exc
+    if not is_safetensors(raw):
+        raise ConfigError(
+            "serialized_named_tensors must hold base64 safetensors bytes for palaestra serve "
+            "(see palaestra.rollout.engines.tensor_payload.encode_named_tensors); SGLang's "
+            "MultiprocessingSerializer payloads carry process-local handles and are not accepted"
+        )
+    return load(raw)
+
+
+__all__ = ["SAFETENSORS_FORMAT", "decode_named_tensors", "encode_named_tensors", "is_safetensors"]

@@ -1,0 +1,211 @@
+"""`run_episode`: the one loop between an env, an agent and an engine (training and evaluation).
+
+Every turn: the agent's token ids go to the engine; the sampled tokens are appended to the agent
+exactly as returned and parsed into an assistant message; the env steps on that message; its
+observation is rendered by the agent as a delta. Failures never escape as exceptions: an env that
+raises, an engine that fails after its retries, an env step that outlives ``step_timeout_s`` or a
+context that overflows end the episode with a stop reason (``error``, ``timeout``, ``truncated``)
+and the error text on the `Trajectory` -- a bad rollout is data, not a crash.
+
+Partial rollout: a generation that comes back with ``finish_reason == "abort"`` (weight update,
+shutdown) ends the call with stop reason ``aborted``; its tokens are already in the agent (with the version
+of the weights that sampled them). Calling `run_episode` again with the same env, agent and
+`EpisodeState` continues that turn from those tokens, so one turn can carry two versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, field, replace
+from time import perf_counter
+from typing import Any, TypeVar
+
+from palaestra.rollout.engines.base import Engine, SamplingParams
+from palaestra.types import Sample, StopReason, Trajectory, Turn
+
+T = TypeVar("T")
+
+
+@dataclass
+class EpisodeState:
+    """Progress of one episode; pass it to `run_episode` again to resume an aborted episode."""
+
+    started: bool = False
+    task_id: str = ""
+    turns: list[Turn] = field(default_factory=list)
+    seed: int | None = None  # the sampling seed of the first request (request k: seed + k)
+    partial_tokens: int = 0  # tokens of the current turn sampled before an abort
+    requests: int = 0
+    aborts: int = 0
+    engine_s: float = 0.0
+    env_s: float = 0.0
+    wall_s: float = 0.0
+
+
+async def run_episode(
+    env: Any,
+    agent: Any,
+    engine: Engine,
+    sampling: SamplingParams,
+    *,
+    seed: int | None = None,
+    task: Mapping[str, Any] | None = None,
+    session_id: str | None = None,
+    max_turns: int | None = None,
+    step_timeout_s: float | None = None,
+    env_id: str = "",
+    group_id: str = "",
+    state: EpisodeState | None = None,
+) -> Trajectory:
+    """Play one episode (or resume ``state``) and return its trajectory; never raises on failure."""
+    st = state if state is not None else EpisodeState()
+    began = perf_counter()
+    env_id = env_id or _env_id(env)
+    stop: StopReason | None = None
+    error: str | None = None
+    stage = "env.reset"
+    try:
+        if not st.started:
+            options = {"task": dict(task)} if task is not None else None
+            t = perf_counter()
+            obs, info = await _bounded(env.areset(seed=seed, options=options), step_timeout_s)
+            st.env_s += perf_counter() - t
+            st.task_id = str(info.get("task_id", ""))
+            stage = "agent.start"
+            agent.start(obs, info.get("tools") or ())
+            st.started = True
+        st.seed = sampling.seed
+        stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *agent.stop_token_ids)))
+        base = replace(sampling, stop_token_ids=stops)
+        while stop is None:
+            if max_turns is not None and len(st.turns) >= max_turns:
+                stop = StopReason.TRUNCATED
+                break
+            stage = "engine"
+            budget = agent.remaining_context()
+            if budget <= 0:
+                stop = StopReason.TRUNCATED
+                break
+            # a resumed turn may only sample what its first part left of the per-turn budget
+            turn_budget = base.max_new_tokens - st.partial_tokens
+            if turn_budget <= 0:
+                stop = StopReason.MAX_TOKENS
+                break
+            max_new = min(turn_budget, budget)
+            params = base if max_new == base.max_new_tokens else replace(base, max_new_tokens=max_new)
+            if base.seed is not None:
+                params = replace(params, seed=base.seed + st.requests)
+            rid = f"{session_id}:{st.requests}" if session_id else None
+            st.requests += 1
+            t = perf_counter()
+            gen = await engine.generate(agent.input_ids, params, request_id=rid, session_id=session_id)
+            st.engine_s += perf_counter() - t
+            stage = "agent.parse"
+            action = agent.on_generation(gen)  # an aborted turn is continued by the next call
+            if gen.finish_reason == "abort":
+                st.partial_tokens += len(gen.token_ids)
+                st.aborts += 1
+                stop = StopReason.ABORTED
+                break
+            st.partial_tokens = 0
+            if gen.finish_reason == "length":
+                stop = StopReason.TRUNCATED if max_new < turn_budget else StopReason.MAX_TOKENS
+                break
+            stage = "env.step"
+            t = perf_counter()
+            obs, reward, terminated, truncated, info = await _bounded(env.astep(action), step_timeout_s)
+            st.env_s += perf_counter() - t
+            st.turns.append(Turn(action, obs, float(reward), info))
+            if terminated or truncated:
+                default = StopReason.TERMINATED if terminated else StopReason.TRUNCATED
+                stop = StopReason(info.get("stop_reason") or default)
+                break
+            stage = "agent.observe"
+            if not agent.on_observation(obs):
+                stop = StopReason.TRUNCATED
+    except (TimeoutError, asyncio.TimeoutError):
+        stop, error = StopReason.TIMEOUT, f"{stage}: timed out after {step_timeout_s} s"
+    except Exception as exc:  # a bad rollout is data, not a crash
+        stop, error = StopReason.ERROR, f"{stage}: {type(exc).__name__}: {exc}"
+    st.wall_s += perf_counter() - began
+    return _trajectory(st, agent, stop, error, env_id, group_id)
+
+
+def _trajectory(
+    st: EpisodeState,
+    agent: Any,
+    stop: StopReason,
+    error: str | None,
+    env_id: str,
+    group_id: str,
+) -> Trajectory:
+    turn_rewards = tuple(t.reward for t in st.turns)
+    reward = float(sum(turn_rewards))
+    samples: tuple[Sample, ...] = ()
+    messages: tuple[Any, ...] = ()
+    if st.started and stop is not StopReason.ABORTED:
+        try:
+            sample = agent.to_sample(
+                reward=reward,
+                turn_rewards=turn_rewards,
+                stop_reason=stop,
+                env_id=env_id,
+                task_id=st.task_id,
+                group_id=group_id,
+            )
+            samples = (sample,)
+            messages = tuple(agent.messages)
+        except Exception as exc:
+            stop = StopReason.ERROR
+            error = error or f"agent.to_sample: {type(exc).__name__}: {exc}"
+    tool_calls = sum(int(t.info.get("tool_calls", 0)) for t in st.turns)
+    tool_errors = sum(int(t.info.get("tool_errors", 0)) for t in st.turns)
+    metrics = {
+        "turns": float(len(st.turns)),
+        "tool_calls": float(tool_calls),
+        "tool_errors": float(tool_errors),
+        "response_tokens": float(samples[0].num_sampled) if samples else 0.0,
+        "total_tokens": float(samples[0].num_tokens) if samples else 0.0,
+        "engine_s": st.engine_s,
+        "env_s": st.env_s,
+        "wall_s": st.wall_s,
+        "requests": float(st.requests),
+        "aborts": float(st.aborts),
+    }
+    if st.seed is not None:
+        metrics["seed"] = float(st.seed)  # exact in a float: seeds are 31-bit
+    sandbox_s = sum(float(t.info.get("sandbox_s", 0.0)) for t in st.turns)
+    if sandbox_s:
+        metrics["sandbox_s"] = sandbox_s
+    if samples:
+        metrics.update({k: float(v) for k, v in samples[0].metrics.items()})
+    return Trajectory(
+        env_id=env_id,
+        task_id=st.task_id,
+        messages=messages,
+        turns=tuple(st.turns),
+        samples=samples,
+        reward=reward,
+        stop_reason=stop,
+        error=error,
+        metrics=metrics,
+        group_id=group_id,
+    )
+
+
+def _env_id(env: Any) -> str:
+    spec = getattr(env, "spec", None)
+    return str(getattr(spec, "id", "") or type(env).__name__)
+
+
+async def _bounded(awaitable: Awaitable[T], timeout_s: float | None) -> T:
+    if timeout_s is None:
+        return await awaitable
+    if hasattr(asyncio, "timeout"):  # 3.11+: no extra task per call
+        async with asyncio.timeout(timeout_s):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, timeout_s)
+
+
+__all__ = ["EpisodeState", "run_episode"]

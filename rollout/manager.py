@@ -1,0 +1,453 @@
+"""`RolloutManager`: what the training loop calls to turn tasks into batches of scored samples.
+
+    manager = RolloutManager(data, WorkerConfig(engine=EngineSpec.http(urls), agent=spec),
+                             RolloutConfig(batch_size=64, group_size=4, filters=("nonzero_variance",)))
+    async with manager:
+        for step in range(steps):
+            batch = await manager.generate_batch(step)      # RolloutBatch(samples, trajectories, metrics)
+            ...train on batch.samples...
+            await manager.update_weights(state_dict)        # pause engines, push, resume
+
+Batches: the manager draws tasks (requeued ones first), hands each worker groups through one
+long-poll call per worker (`RolloutWorker.exchange`), judges every finished group (failure policy,
+filters = dynamic sampling), and stops when ``batch_size`` groups are kept or ``max_draw_factor``
+is used up. Over-sampling keeps more groups in flight than missing. In sync mode the workers are
+paused when a batch is complete (in-flight groups are parked with their tokens and resume after
+the weight update: partial rollout); in async mode the next batch is generated while the trainer
+works on this one, and `update_weights` parks/resumes around the push. At hand-off every group is
+checked against ``max_staleness`` (newest version minus the oldest sampled token's version) and
+dropped or requeued.
+
+Ledger: every task drawn is, at any time, exactly one of kept, filtered, failed, dropped-stale,
+queued, in flight or ready; ``ledger/unaccounted`` in the metrics is always 0 and the per-step
+``groups/*`` counters say where this step's tasks went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import Counter, deque
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from time import perf_counter
+from typing import Any
+
+from palaestra.errors import CheckpointError, EngineError, RolloutError
+from palaestra.rollout.cluster import WorkerHandle, WorkerPool
+from palaestra.rollout.config import RolloutConfig, WorkerConfig
+from palaestra.rollout.data import DataSource, _mix
+from palaestra.rollout.engines.base import Engine
+from palaestra.rollout.groups import judge_group, resolve_filters
+from palaestra.rollout.metrics import summarize
+from palaestra.rollout.worker import GroupResult, GroupTask
+from palaestra.types import Sample, Trajectory
+
+
+@dataclass
+class RolloutBatch:
+    """One step's training data: kept samples, their trajectories, failures and metrics."""
+
+    step: int
+    samples: list[Sample]
+    trajectories: list[Trajectory]  # the kept trajectories (one per sample)
+    metrics: dict[str, float]
+    version: int  # the policy version the batch is checked against (staleness)
+    failed: list[Trajectory] = field(default_factory=list)  # failed episodes of the step
+
+    @property
+    def group_ids(self) -> list[str]:
+        return list(dict.fromkeys(s.group_id for s in self.samples))
+
+
+@dataclass
+class _Ready:
+    task: GroupTask
+    usable: tuple[Trajectory, ...]
+
+    @property
+    def min_version(self) -> int:
+        versions = [s.min_version for t in self.usable for s in t.samples if s.num_sampled]
+        return min(versions, default=-1)
+
+
+class _Step:
+    """What happened since the last batch was handed off."""
+
+    def __init__(self) -> None:
+        self.began = perf_counter()
+        self.counters: Counter[str] = Counter()
+        self.finished: list[Trajectory] = []
+
+
+class RolloutManager:
+    """Turns a data source into `RolloutBatch`es through rollout workers; see the module doc."""
+
+    def __init__(
+        self,
+        data: DataSource,
+        worker_config: WorkerConfig,
+        config: RolloutConfig | None = None,
+        *,
+        cluster: str = "ray",
+        address: str | None = None,
+        engine: Engine | None = None,
+        pool: WorkerPool | None = None,
+    ) -> None:
+        self.data = data
+        self.worker_config = worker_config
+        self.config = config or RolloutConfig()
+        self._engine = engine
+        self._filters = resolve_filters(self.config.filters)
+        self._control: Engine | None = engine
+        self._own_pool = pool is None
+        self.pool = pool or WorkerPool(
+            worker_config,
+            self.config.num_workers,
+            cluster=cluster,
+            address=address,
+            num_cpus=self.config.worker_num_cpus,
+            engine=engine,
+        )
+        self._started = False
+        self._polls: dict[int, asyncio.Future[list[GroupResult]]] = {}
+        self._queue: deque[GroupTask] = deque()
+        self._inflight: dict[str, tuple[int, GroupTask]] = {}
+        self._ready: list[_Ready] = []
+        self._totals: Counter[str] = Counter()
+        self._step = _Step()
+        self._prefetch: asyncio.Task[bool] | None = None
+        self._paused = False
+        self._seq = 0
+        self.version = 0
+
+    # ----- lifecycle ---------------------------------------------------------------------------
+    @property
+    def _handles(self) -> list[WorkerHandle]:
+        return self.pool.handles
+
+    async def start(self) -> None:
+        """Start (or, for a shared pool, reconfigure) the workers and the engine control client."""
+        if self._started:
+            return
+        self._started = True
+        if self._own_pool:
+            await self.pool.start()
+        else:
+            await self.pool.start()
+            await self.pool.configure(self.worker_config)
+        if self._control is None and not self.worker_config.engine.owned:
+            self._control = self.worker_config.engine.build()
+        if self._control is not None:
+            self.version = self._control.weight_version
+
+    async def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.cancel()
+            await asyncio.gather(self._prefetch, return_exceptions=True)
+            self._prefetch = None
+        for fut in self._polls.values():
+            fut.cancel()
+        self._polls.clear()
+        if self._own_pool:
+            await self.pool.close()
+        elif self._handles:  # a shared pool: stop this run's episodes, keep the processes
+            await asyncio.gather(*(h.call("shutdown") for h in self._handles))
+        self._started = False
+        if self._control is not None and self._engine is None:
+            await self._control.close()
+            self._control = None
+
+    async def __aenter__(self) -> RolloutManager:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ----- batches -----------------------------------------------------------------------------
+    async def generate_batch(self, step: int) -> RolloutBatch:
+        """The next batch: ``batch_size`` kept groups (fewer only when the draw cap is hit)."""
+        await self.start()
+        if self._paused:
+            await self.resume()
+        cfg = self.config
+        while True:
+            if self._prefetch is not None:
+                prefetch, self._prefetch = self._prefetch, None
+                full = await prefetch
+            else:
+                full = await self._fill()
+            self._prune_stale()
+            if len(self._ready) >= cfg.batch_size or not full:
+                break
+        chosen, self._ready = self._ready[: cfg.batch_size], self._ready[cfg.batch_size :]
+        if not chosen:
+            raise RolloutError(
+                f"step {step}: no group could be kept ({self._describe_losses()}); check the "
+                "filters, the data source (exhausted?) and the failures above"
+            )
+        self._check_failures(final=True)
+        if cfg.pauses_between_batches:
+            await self.pause()
+        batch = self._hand_off(step, chosen)
+        if cfg.mode == "async":
+            self._prefetch = asyncio.get_running_loop().create_task(self._fill())
+        return batch
+
+    def _hand_off(self, step: int, chosen: list[_Ready]) -> RolloutBatch:
+        cfg, st = self.config, self._step
+        self._totals["kept"] += len(chosen)
+        trajectories = [t for r in chosen for t in r.usable]
+        samples = [s for t in trajectories for s in t.samples]
+        c = st.counters
+        c["groups/kept"] = len(chosen)
+        c["groups/ready_carried"] = len(self._ready)
+        c["groups/in_flight"] = len(self._inflight)
+        c["groups/queued"] = len(self._queue)
+        c["batch/underfilled"] = int(len(chosen) < cfg.batch_size)
+        c["version"] = self.version
+        staleness = [self.version - r.min_version for r in chosen]
+        metrics = summarize(
+            st.finished, trajectories, c, perf_counter() - st.began,
+            pass_threshold=cfg.pass_threshold,
+        )
+        metrics["staleness/max"] = float(max(staleness, default=0))
+        metrics["staleness/mean"] = sum(staleness) / max(len(staleness), 1)
+        for key, value in self._ledger().items():
+            metrics[f"ledger/{key}"] = float(value)
+        failed = [t for t in st.finished if t.failed]
+        self._step = _Step()
+        return RolloutBatch(step, samples, trajectories, metrics, self.version, failed)
+
+    async def _fill(self) -> bool:
+        """Run workers until ``batch_size`` groups are ready; False if no more can come."""
+        cfg = self.config
+        per_worker = math.ceil(cfg.max_inflight_groups / max(len(self._handles), 1))
+        while len(self._ready) < cfg.batch_size:
+            self._check_failures(final=False)
+            missing = cfg.batch_size - len(self._ready)
+            target = min(cfg.max_inflight_groups, math.ceil(missing * cfg.over_sampling))
+            for h in self._handles:
+                if h.index not in self._polls:
+                    loaded = sum(1 for w, _ in self._inflight.values() if w == h.index)
+                    new = self._draw(h.index, min(target - len(self._inflight), per_worker - loaded))
+                    self._polls[h.index] = asyncio.ensure_future(h.call("exchange", new, None))
+            if not self._inflight and not self._can_draw():
+                return False
+            done, _ = await asyncio.wait(
+                list(self._polls.values()), return_when=asyncio.FIRST_COMPLETED
+            )
+            for index, fut in list(self._polls.items()):
+                if fut in done:
+                    del self._polls[index]
+                    self._absorb(index, fut)
+        return True
+
+    def _can_draw(self) -> bool:
+        st = self._step.counters
+        if st["groups/drawn"] + st["groups/redrawn"] >= self.config.max_draws:
+            return False
+        return bool(self._queue) or not self.data.exhausted
+
+    def _draw(self, worker: int, count: int) -> list[GroupTask]:
+        out: list[GroupTask] = []
+        c = self._step.counters
+        while len(out) < count and self._can_draw():
+            if self._queue:
+                task = self._queue.popleft()
+                c["groups/redrawn"] += 1
+            else:
+                item = self.data.next()
+                if item is None:
+                    break
+                self._seq += 1
+                n = self.config.group_size
+                task = GroupTask(
+                    group_id=f"g{self._seq}",
+                    env_id=item.env_id,
+                    task=dict(item.task),
+                    task_id=item.task_id,
+                    seeds=tuple(_mix(item.seed, i, 1) for i in range(n)),
+                )
+                c["groups/drawn"] += 1
+                self._totals["drawn"] += 1
+            self._inflight[task.group_id] = (worker, task)
+            out.append(task)
+        return out
+
+    def _absorb(self, worker: int, fut: asyncio.Future[list[GroupResult]]) -> None:
+        try:
+            results = fut.result()
+        except Exception as exc:
+            self._lose_worker(worker, exc)
+            return
+        c = self._step.counters
+        for result in results:
+            _, task = self._inflight.pop(result.group_id)
+            self._step.finished.extend(result.trajectories)
+            verdict = judge_group(
+                result.trajectories, self._filters, min_group_size=self.config.min_group_size
+            )
+            if verdict.status == "failed":
+                self._totals["failed"] += 1
+                c["groups/failed"] += 1
+            elif verdict.status == "filtered":
+                self._totals["filtered"] += 1
+                c["groups/filtered"] += 1
+                c[f"groups/filtered/{verdict.reason}"] += 1
+            else:
+                self._ready.append(_Ready(task, verdict.usable))
+        self._prune_stale()
+
+    def _prune_stale(self) -> None:
+        fresh = []
+        c = self._step.counters
+        for ready in self._ready:
+            if self.version - ready.min_version <= self.config.max_staleness:
+                fresh.append(ready)
+            elif self.config.stale_action == "drop":
+                self._totals["stale_dropped"] += 1
+                c["groups/stale_dropped"] += 1
+            else:
+                self._queue.append(ready.task)
+                c["groups/stale_requeued"] += 1
+        self._ready = fresh
+
+    def _lose_worker(self, worker: int, exc: BaseException) -> None:
+        """A worker died: requeue its groups and go on with the others."""
+        self.pool.drop(worker)
+        lost = [gid for gid, (w, _) in self._inflight.items() if w == worker]
+        for gid in lost:
+            self._queue.append(self._inflight.pop(gid)[1])
+        self._step.counters["groups/requeued_lost_worker"] += len(lost)
+        self._step.counters["workers/lost"] += 1
+        if not self._handles:
+            raise RolloutError(f"every rollout worker died; the last error: {exc!r}") from exc
+
+    def _check_failures(self, *, final: bool) -> None:
+        finished = self._step.finished
+        minimum = 1 if final else self.config.batch_size * self.config.group_size
+        if len(finished) < minimum:
+            return
+        failed = [t for t in finished if t.failed]
+        rate = len(failed) / len(finished)
+        if rate > self.config.max_failure_rate:
+            common = Counter((t.error or t.stop_reason.value)[:160] for t in failed).most_common(3)
+            lines = "\n".join(f"  {n} x {err}" for err, n in common)
+            raise RolloutError(
+                f"{len(failed)} of {len(finished)} episodes failed ({rate:.0%} > "
+                f"max_failure_rate={self.config.max_failure_rate:.0%}); most common errors:\n"
+                f"{lines}\nfix the env/engine or raise max_failure_rate"
+            )
+
+    def _ledger(self) -> dict[str, int]:
+        t = self._totals
+        placed = {
+            "kept": t["kept"],
+            "filtered": t["filtered"],
+            "failed": t["failed"],
+            "stale_dropped": t["stale_dropped"],
+            "queued": len(self._queue),
+            "in_flight": len(self._inflight),
+            "ready": len(self._ready),
+        }
+        return {"drawn": t["drawn"], **placed, "unaccounted": t["drawn"] - sum(placed.values())}
+
+    def _describe_losses(self) -> str:
+        c = self._step.counters
+        return ", ".join(f"{k}={v}" for k, v in sorted(c.items()) if k.startswith("groups/"))
+
+    # ----- weights -----------------------------------------------------------------------------
+    async def pause(self) -> None:
+        """Stop all generation: in-flight episodes are parked with their tokens."""
+        if self._paused or not self._handles:
+            return
+        self._paused = True
+        if self._control is not None:  # shared engines: one abort-all instead of one per request
+            await asyncio.gather(*(h.call("close_gate") for h in self._handles))
+            await self._on_engines("pause")
+            await self._on_engines("abort")
+        reports = await asyncio.gather(
+            *(h.call("pause", self._control is None) for h in self._handles)
+        )
+        self._step.counters["groups/parked"] += sum(r["parked_groups"] for r in reports)
+        self._step.counters["episodes/parked"] += sum(r["parked_episodes"] for r in reports)
+
+    async def resume(self) -> None:
+        """Continue generation; parked episodes go on from their tokens."""
+        if self._control is not None:
+            await self._on_engines("resume")
+        restarted = await asyncio.gather(*(h.call("resume") for h in self._handles))
+        self._step.counters["episodes/resumed"] += sum(restarted)
+        self._paused = False
+
+    async def update_weights(
+        self,
+        state_dict: Mapping[str, Any] | None = None,
+        *,
+        path: str | None = None,
+        version: int | None = None,
+        push: Callable[[Engine | None], Awaitable[None]] | None = None,
+    ) -> dict[str, float]:
+        """Pause generation, push new weights (``push`` for custom transfers), resume.
+
+        Shared engines get the weights through the manager's control client, owned engines
+        through their workers. Returns the time of each phase.
+        """
+        await self.start()
+        new_version = self.version + 1 if version is None else int(version)
+        t0 = perf_counter()
+        await self.pause()
+        t1 = perf_counter()
+        if push is not None:
+            await push(self._control)
+        elif self._control is not None:
+            await self._on_engines("update_weights", state_dict, path=path, version=new_version)
+        else:
+            await asyncio.gather(
+                *(h.call("update_weights", new_version, state_dict, path) for h in self._handles)
+            )
+        self.version = new_version
+        t2 = perf_counter()
+        await self.resume()
+        return {"pause_s": t1 - t0, "push_s": t2 - t1, "resume_s": perf_counter() - t2}
+
+    async def _on_engines(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """A control call on the shared engines; a dead engine is counted, not fatal, as long as
+        one engine still answers (the router has taken the dead one out of rotation)."""
+        assert self._control is not None
+        try:
+            await getattr(self._control, method)(*args, **kwargs)
+        except EngineError as exc:
+            self._step.counters[f"engines/{method}_errors"] += 1
+            if not await self._control.health():
+                raise RolloutError(f"no engine answers any more ({method}: {exc})") from exc
+
+    # ----- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Data position, version and the tasks not yet trained on (restarted on load)."""
+        pending = [*self._queue, *(t for _, t in self._inflight.values()),
+                   *(r.task for r in self._ready)]
+        return {
+            "data": self.data.state_dict(),
+            "version": self.version,
+            "seq": self._seq,
+            "pending": [asdict(t) for t in pending],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self._inflight or self._ready:
+            raise CheckpointError("load_state_dict must be called before the first batch")
+        self.data.load_state_dict(state["data"])
+        self.version = int(state["version"])
+        self._seq = int(state["seq"])
+        tasks = [GroupTask(**{**d, "seeds": tuple(d["seeds"])}) for d in state["pending"]]
+        self._queue = deque(tasks)
+        self._totals["drawn"] += len(tasks)
+
+    def worker_stats(self) -> Awaitable[list[dict[str, Any]]]:
+        return asyncio.gather(*(h.call("stats") for h in self._handles))
+
+
+__all__ = ["RolloutBatch", "RolloutManager"]

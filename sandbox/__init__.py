@@ -1,0 +1,74 @@
+"""Isolated code execution for agents: ``Sandbox`` (local or Docker), results, limits, probes.
+
+Light to import: the Docker SDK and the backends load only when used.
+
+    from palaestra.sandbox import Sandbox
+    async with Sandbox() as sb:
+        r = await sb.run("print(6 * 7)")
+        assert r.stdout == "42\\n"
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from palaestra.sandbox.base import LANGUAGES, Sandbox, SandboxSession
+from palaestra.sandbox.config import DEFAULT_IMAGE, SandboxConfig
+from palaestra.sandbox.errors import IsolationUnavailableError, SandboxError, SandboxFileError
+from palaestra.sandbox.limiter import ExecLimiter
+from palaestra.sandbox.result import ExecResult
+
+if TYPE_CHECKING:
+    from palaestra.sandbox.docker_backend import DockerSandbox
+    from palaestra.sandbox.integrity import IOCase, JudgeResult, judge_io, judge_function
+    from palaestra.sandbox.local import LocalSandbox
+    from palaestra.sandbox.probe import IsolationReport
+
+_LAZY = {
+    "LocalSandbox": "palaestra.sandbox.local",
+    "DockerSandbox": "palaestra.sandbox.docker_backend",
+    "probe_isolation": "palaestra.sandbox.probe",
+    "IsolationReport": "palaestra.sandbox.probe",
+    "judge_io": "palaestra.sandbox.integrity",
+    "judge_function": "palaestra.sandbox.integrity",
+    "IOCase": "palaestra.sandbox.integrity",
+    "JudgeResult": "palaestra.sandbox.integrity",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'palaestra.sandbox' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def probe_isolation() -> IsolationReport:
+    """Which isolation layers work on this machine (cached; see ``palaestra sandbox doctor``)."""
+    from palaestra.sandbox.probe import probe_isolation as _probe
+
+    return _probe()
+
+
+__all__ = [
+    "DEFAULT_IMAGE",
+    "LANGUAGES",
+    "DockerSandbox",
+    "ExecLimiter",
+    "ExecResult",
+    "IOCase",
+    "IsolationReport",
+    "IsolationUnavailableError",
+    "JudgeResult",
+    "LocalSandbox",
+    "Sandbox",
+    "SandboxConfig",
+    "SandboxError",
+    "SandboxFileError",
+    "SandboxSession",
+    "judge_function",
+    "judge_io",
+    "probe_isolation",
+]

@@ -1,0 +1,1136 @@
+"""In-sandbox agent: a zygote that forks one fresh, isolated child per run, plus persistent kernels.
+
+The host never imports this module: it reads its source and starts it as
+``python -I -c SOURCE '<json options>'`` *inside* the isolation boundary (bubblewrap, an
+``unshare`` network namespace, or a Docker container). It uses the standard library only (the
+palaestra package is not visible in the sandbox) and trusts nothing its children send back.
+
+Why a zygote: starting an interpreter costs ~8-35 ms here; forking an already started one with
+its modules imported costs ~1 ms. Each request forks a child that applies, in this order: new
+session, fresh stdio (memfds owned by the zygote, so output survives a kill and is capped by
+RLIMIT_FSIZE), rlimits, a per-run uid (root only) or a per-run pid namespace, a fresh working
+directory, Landlock (filesystem, TCP, signal and abstract-socket scoping) and a seccomp filter
+compiled once on the host. Children are never reused. After a run the zygote, a child
+subreaper, kills every process the run left behind before it reports, so nothing outlives a run.
+
+Wire format (both directions): 4-byte big-endian frame length, 4-byte header length, a JSON
+header and raw blobs whose lengths are listed in ``header["blobs"]``.
+"""
+
+import ctypes
+import errno
+import json
+import os
+import resource
+import selectors
+import signal
+import socket
+import struct
+import sys
+import time
+
+PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
+PR_SET_SECCOMP = 22
+PR_CAPBSET_DROP = 24
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
+SECCOMP_MODE_FILTER = 2
+CLONE_NEWPID = 0x20000000
+SYS_LANDLOCK_CREATE_RULESET = 444
+SYS_LANDLOCK_ADD_RULE = 445
+SYS_LANDLOCK_RESTRICT_SELF = 446
+LL_FS_READ = 1 | 4 | 8  # EXECUTE | READ_FILE | READ_DIR
+LL_FS_DEV = 2 | 4  # WRITE_FILE | READ_FILE (+ TRUNCATE from ABI 3, added below)
+SETUP_FAILED_EXIT = 126
+MAX_CHILD_FRAME = 1 << 20
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
+                        ctypes.c_ulong]
+
+
+# --------------------------------------------------------------------------- framing
+def pack(header, blobs=()):
+    header = dict(header, blobs=[len(b) for b in blobs])
+    head = json.dumps(header, separators=(",", ":")).encode()
+    body = b"".join([struct.pack(">I", len(head)), head, *blobs])
+    return struct.pack(">I", len(body)) + body
+
+
+class FrameReader:
+    """Accumulates bytes and yields complete ``(header, blobs)`` frames."""
+
+    def __init__(self, max_frame):
+        self.buf = bytearray()
+        self.max_frame = max_frame
+
+    def feed(self, data):
+        self.buf += data
+        frames = []
+        while len(self.buf) >= 4:
+            (size,) = struct.unpack_from(">I", self.buf)
+            if size > self.max_frame:
+                raise ValueError("frame of %d bytes exceeds the limit" % size)
+            if len(self.buf) < 4 + size:
+                break
+            body = bytes(self.buf[4:4 + size])
+            del self.buf[:4 + size]
+            (hlen,) = struct.unpack_from(">I", body)
+            header = json.loads(body[4:4 + hlen])
+            blobs, pos = [], 4 + hlen
+            for n in header.get("blobs", []):
+                blobs.append(body[pos:pos + n])
+                pos += n
+            frames.append((header, blobs))
+        return frames
+
+
+# --------------------------------------------------------------------------- kernel features
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed", ctypes.c_uint64), ("fd", ctypes.c_int32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def landlock_abi():
+    abi = _libc.syscall(SYS_LANDLOCK_CREATE_RULESET, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    return max(int(abi), 0)
+
+
+def landlock_prepare(abi, ro_paths, dev_paths):
+    """Precompute (in the zygote) the ruleset attributes and the fixed rules of every child:
+    read/exec below ``ro_paths``, read/write of existing files below ``dev_paths``."""
+    fs_all = (1 << 13) - 1
+    if abi >= 2:
+        fs_all |= 1 << 13  # REFER
+    if abi >= 3:
+        fs_all |= 1 << 14  # TRUNCATE
+    if abi >= 5:
+        fs_all |= 1 << 15  # IOCTL_DEV
+    attr = _RulesetAttr(fs_all, 3 if abi >= 4 else 0, 3 if abi >= 6 else 0)
+    size = ctypes.sizeof(_RulesetAttr) if abi >= 6 else (16 if abi >= 4 else 8)
+    dev_rights = LL_FS_DEV | ((1 << 14) if abi >= 3 else 0)
+    file_mask = 1 | 2 | 4 | (1 << 14) | (1 << 15)
+    rules = []
+    for paths, rights in ((ro_paths, LL_FS_READ), (dev_paths, dev_rights)):
+        for path in paths:
+            if os.path.exists(path):
+                rules.append((path, (rights if os.path.isdir(path) else rights & file_mask)
+                              & fs_all))
+    return {"attr": attr, "size": ctypes.c_size_t(size), "fs_all": fs_all, "rules": rules,
+            "zero": ctypes.c_uint32(0)}
+
+
+def landlock_restrict(prep, workdir):
+    """Deny all filesystem access but the prepared rules plus everything below ``workdir``;
+    deny TCP bind/connect (ABI >= 4) and signals/abstract sockets leaving the domain (>= 6)."""
+    syscall = _libc.syscall
+    fd = syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.byref(prep["attr"]), prep["size"],
+                 prep["zero"])
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), "landlock_create_ruleset failed")
+    try:
+        for path, rights in prep["rules"] + [(workdir, prep["fs_all"])]:
+            pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            try:
+                rule = _PathBeneath(rights, pfd)
+                if syscall(SYS_LANDLOCK_ADD_RULE, fd, 1, ctypes.byref(rule), 0) != 0:
+                    raise OSError(ctypes.get_errno(), "landlock_add_rule(%s) failed" % path)
+            finally:
+                os.close(pfd)
+        if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
+        if syscall(SYS_LANDLOCK_RESTRICT_SELF, fd, 0) != 0:
+            raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
+    finally:
+        os.close(fd)
+
+
+def seccomp_prepare(bpf):
+    """Build the ``sock_fprog`` once in the zygote; children only make the prctl call."""
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = _SockFprog(len(bpf) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    return (buf, prog, ctypes.addressof(prog))
+
+
+def seccomp_load(prepared):
+    if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "PR_SET_NO_NEW_PRIVS failed")
+    if _libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, prepared[2], 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "loading the seccomp filter failed")
+
+
+def drop_capabilities():
+    """Clear every capability set and the bounding set (used when the uid stays 0)."""
+    for cap in range(64):
+        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
+            break
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = (ctypes.c_uint32 * 6)()
+    if _libc.capset(header, data) != 0:
+        raise OSError(ctypes.get_errno(), "capset failed")
+
+
+def children_of(pid):
+    # Our own children through thread-self: correct even where getpid() is namespaced.
+    path = ("/proc/thread-self/children" if pid == os.getpid()
+            else "/proc/%d/task/%d/children" % (pid, pid))
+    try:
+        with open(path) as fh:
+            return [int(x) for x in fh.read().split()]
+    except OSError:
+        return []
+
+
+def real_uid_of(pid):
+    try:
+        with open("/proc/%d/status" % pid) as fh:
+            for line in fh:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def subtree(pid):
+    out, stack = [], [pid]
+    while stack:
+        p = stack.pop()
+        out.append(p)
+        stack.extend(children_of(p))
+    return out
+
+
+def kill_descendants(root, keep=(), uid=None, budget_s=2.0):
+    """SIGKILL every descendant of ``root`` except ``keep`` (and their subtrees).
+
+    ``root`` is a child subreaper, so orphans re-attach to it; repeated rounds catch processes
+    forked while we kill. With ``uid`` set only processes of that real uid are touched.
+    Returns True when nothing is left. Bounded in time: a process stuck in uninterruptible
+    sleep (e.g. a fork bomb blocked on a kernel lock) dies when it wakes, we do not spin on it.
+    """
+    deadline = time.monotonic() + budget_s
+    pause = 0.0005
+    while time.monotonic() < deadline:
+        victims = []
+        for kid in children_of(root):
+            if kid in keep:
+                continue
+            if uid is not None and real_uid_of(kid) != uid:
+                continue
+            victims.extend(subtree(kid))
+        live = [p for p in victims if not _is_zombie(p)]
+        if not live:
+            return True
+        for p in live:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        reap_strays(keep)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    return False
+
+
+def _is_zombie(pid):
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as fh:
+            data = fh.read()
+        return data[data.rindex(b")") + 2:data.rindex(b")") + 3] in (b"Z", b"X")
+    except (OSError, ValueError):
+        return True
+
+
+_STRAY_EXITS = {}
+
+
+def reap_strays(keep):
+    """Reap exited children; statuses of tracked pids are parked for the main loop."""
+    while True:
+        try:
+            pid, status, ru = os.wait4(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _STRAY_EXITS[pid] = (status, ru)
+
+
+# --------------------------------------------------------------------------- child side
+_setrlimit = resource.setrlimit
+#: (resource, request key); None = always 0 (no core dumps, no locked memory, no mqueues)
+RLIMITS = ((resource.RLIMIT_CPU, "cpu"), (resource.RLIMIT_AS, "as"),
+           (resource.RLIMIT_FSIZE, "fsize"), (resource.RLIMIT_NOFILE, "nofile"),
+           (resource.RLIMIT_NPROC, "nproc"), (resource.RLIMIT_CORE, None),
+           (resource.RLIMIT_MEMLOCK, None), (resource.RLIMIT_MSGQUEUE, None))
+
+
+def hard_limits():
+    """Current hard limits (-1 = unlimited): a child may lower them, never raise them."""
+    out = {}
+    for res, _ in RLIMITS:
+        hard = resource.getrlimit(res)[1]
+        out[res] = -1 if hard == resource.RLIM_INFINITY else hard
+    return out
+
+
+def remove_tree(path):
+    """Delete a run's directory without following anything the run planted in it."""
+    try:
+        os.rmdir(path)  # the common case: a trivial run leaves an empty directory
+        return
+    except FileNotFoundError:
+        return
+    except OSError:
+        pass
+    import shutil
+    shutil.rmtree(path, ignore_errors=True)  # fd-based on Linux: symlinks are not followed
+def _close_fds_from(low):
+    try:
+        os.closerange(low, 1 << 20)
+    except OSError:
+        pass
+
+
+def _safe_open_parent(root_fd, rel, create_dirs):
+    """Walk ``rel`` below ``root_fd`` without following symlinks; return (dir_fd, name)."""
+    parts = [p for p in rel.split("/") if p not in ("", ".")]
+    if not parts or any(p == ".." for p in parts):
+        raise ValueError("bad path %r: use a relative path inside the workspace" % rel)
+    fd = os.dup(root_fd)
+    try:
+        for part in parts[:-1]:
+            try:
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                if not create_dirs:
+                    raise
+                os.mkdir(part, 0o755, dir_fd=fd)
+                nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, parts[-1]
+
+
+def write_tree_file(root, rel, data, mode=0o644, owner=None):
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        dfd, name = _safe_open_parent(root_fd, rel, create_dirs=True)
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                         | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dfd)
+            try:
+                if owner is not None:
+                    os.fchown(fd, owner[0], owner[1])
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+            finally:
+                os.close(fd)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(root_fd)
+
+
+def read_tree_file(root, rel, limit):
+    root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        dfd, name = _safe_open_parent(root_fd, rel, create_dirs=False)
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                         dir_fd=dfd)
+            try:
+                import stat as _stat
+                if not _stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise IsADirectoryError("%r is not a regular file" % rel)
+                chunks, total = [], 0
+                while total <= limit:
+                    chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    total += len(chunk)
+                data = b"".join(chunks)
+                if len(data) > limit:
+                    raise ValueError("%r is larger than %d bytes" % (rel, limit))
+                return data
+            finally:
+                os.close(fd)
+        finally:
+            os.close(dfd)
+    finally:
+        os.close(root_fd)
+
+
+def setup_child(opts, req, fds, file_blobs, keep_fd=None):
+    """Everything between fork and running untrusted code. Raises on any failure (fail closed).
+
+    ``keep_fd`` (a kernel's control socket) survives as fd 3; every other inherited fd is closed.
+    """
+    # A new process group, not a new session: setsid() costs ~5 ms here (scheduler autogroup)
+    # and the zygote's session, made by bwrap --new-session, has no controlling terminal.
+    os.setpgid(0, 0)
+    stdin_fd, out_fd, err_fd = fds
+    os.dup2(stdin_fd, 0)
+    os.dup2(out_fd, 1)
+    os.dup2(err_fd, 2)
+    if keep_fd is not None:
+        if keep_fd != 3:
+            os.dup2(keep_fd, 3, inheritable=False)
+        _close_fds_from(4)
+    else:
+        _close_fds_from(3)
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    lim = req["limits"]
+    hard = opts["_hard_limits"]
+    for res, key in RLIMITS:
+        value = 0 if key is None else lim.get(key)
+        if value is not None:
+            cap = hard[res]
+            value = int(value) if cap < 0 else min(int(value), cap)
+            _setrlimit(res, (value, value))
+    workdir = req["workdir"]
+    uid = req.get("uid")
+    if req.get("create_workdir"):
+        os.mkdir(workdir, 0o700)
+        if uid is not None:
+            os.chown(workdir, uid, uid)
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+        # A uid change marks the process non-dumpable, which makes /proc/self/{fd,environ}
+        # root-owned and breaks ordinary programs; ptrace stays blocked by seccomp+Landlock.
+        _libc.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
+    elif opts.get("drop_caps"):
+        drop_capabilities()
+    os.chdir(workdir)
+    if opts.get("_landlock"):
+        landlock_restrict(opts["_landlock"], workdir)
+    if opts.get("_seccomp_prog"):
+        seccomp_load(opts["_seccomp_prog"])
+    else:
+        _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    for name, data in zip(req.get("files", []), file_blobs):
+        write_tree_file(workdir, name, data)
+    # The zygote's environment is already the scrubbed run environment.
+    env = os.environ
+    env["HOME"] = env["TMPDIR"] = env["PWD"] = workdir
+    for key, value in req.get("env", {}).items():
+        env[key] = value
+    return workdir
+
+
+def _exit_code_of(exc):
+    code = exc.code
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    try:
+        sys.stderr.write(str(code) + "\n")
+    except Exception:
+        pass
+    return 1
+
+
+def _finish_python():
+    """What the interpreter does at exit: join threads (if any were used), atexit hooks."""
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        try:
+            threading._shutdown()
+        except BaseException:
+            pass
+    try:
+        import atexit
+        atexit._run_exitfuncs()
+    except BaseException:
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+
+
+def _print_user_traceback():
+    """Like the interpreter's own report, without this runner's frame."""
+    import traceback
+    try:
+        etype, exc, tb = sys.exc_info()
+        traceback.print_exception(etype, exc, tb.tb_next if tb is not None else None)
+    except BaseException:
+        pass
+
+
+def exec_python(code, namespace, filename="<string>"):
+    """Run ``code`` like ``python -c``; returns (exit code, hit MemoryError)."""
+    try:
+        exec(compile(code, filename, "exec"), namespace)
+        return 0, False
+    except SystemExit as exc:
+        return _exit_code_of(exc), False
+    except MemoryError:
+        _print_user_traceback()
+        return 1, True
+    except BaseException:
+        _print_user_traceback()
+        return 1, False
+
+
+def run_child(opts, req, fds, blobs):
+    """Body of a forked run child; never returns."""
+    code = SETUP_FAILED_EXIT
+    try:
+        files_n = len(req.get("files", []))
+        status_fd = fds[3] if len(fds) > 3 else None
+        workdir = setup_child(opts, req, fds[:3], blobs[:files_n], keep_fd=status_fd)
+    except BaseException as exc:
+        try:
+            os.write(2, ("palaestra sandbox: setup failed: %r\n" % (exc,)).encode())
+        finally:
+            os._exit(SETUP_FAILED_EXIT)
+    try:
+        if req["kind"] == "exec":
+            for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT):
+                signal.signal(sig, signal.SIG_DFL)
+            argv = req["argv"]
+            try:
+                os.execvpe(argv[0], argv, os.environ)
+            except OSError as exc:
+                os.write(2, ("%s: %s\n" % (argv[0], exc.strerror)).encode())
+                os._exit(127)
+        import types
+        main = types.ModuleType("__main__")
+        main.__dict__["__builtins__"] = __builtins__
+        sys.modules["__main__"] = main
+        sys.argv = ["-c"]
+        sys.path.insert(0, workdir)
+        code, oom = exec_python(req["code"], main.__dict__)
+        _finish_python()
+        if oom:
+            try:
+                os.write(3, b"oom")  # fd 3: the zygote's status memfd for this run
+            except OSError:
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)  # report like the kernel OOM killer: 137
+            code = 128 + signal.SIGKILL  # still here: we are pid 1 of a namespace
+    except BaseException:
+        code = 1
+    os._exit(code)
+
+
+def pidns_leader(opts, req, fds, blobs, target):
+    """Intermediate process: enter a fresh pid namespace; its pid-1 child runs ``target``.
+
+    When the pid-1 child exits the kernel kills everything left in the namespace. The leader
+    mirrors the child's exit status so the zygote sees it unchanged.
+    """
+    try:
+        os.setpgid(0, 0)
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if _libc.unshare(CLONE_NEWPID) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWPID) failed")
+        pid = os.fork()
+    except BaseException as exc:
+        os.write(fds[2], ("palaestra sandbox: setup failed: %r\n" % (exc,)).encode())
+        os._exit(SETUP_FAILED_EXIT)
+    if pid == 0:
+        target(opts, req, fds, blobs)
+        os._exit(1)
+    _close_fds_from(3)
+    while True:
+        try:
+            _, status = os.waitpid(pid, 0)
+            break
+        except InterruptedError:
+            continue
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(os.WEXITSTATUS(status))
+
+
+# --------------------------------------------------------------------------- persistent kernel
+def kernel_child(opts, req, fds, blobs):
+    """Body of a persistent interpreter (Jupyter-like): globals survive across cells."""
+    try:
+        workdir = setup_child(opts, req, fds, [], keep_fd=req["_sock_fd"])
+        sock = socket.socket(fileno=3)
+    except BaseException as exc:
+        try:
+            os.write(2, ("palaestra sandbox: kernel setup failed: %r\n" % (exc,)).encode())
+        finally:
+            os._exit(SETUP_FAILED_EXIT)
+    try:
+        kernel_loop(sock, workdir, pidns=bool(opts.get("pidns")))
+    finally:
+        os._exit(1)
+
+
+def _kill_cell_leftovers(pidns):
+    """Nothing a cell started may outlive it (only the kernel itself survives)."""
+    if pidns:  # we are pid 1 of our own namespace: kill(-1) reaches everything else in it
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except OSError:
+            pass
+    else:
+        kill_descendants(os.getpid())
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+    _STRAY_EXITS.clear()
+
+
+def kernel_loop(sock, workdir, pidns=False):
+    import types
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = main
+    sys.argv = [""]
+    sys.path.insert(0, workdir)
+    # Orphans of a cell re-attach here, so one sweep after each cell finds all of them.
+    _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    reader = FrameReader(1 << 30)
+    null = os.open(os.devnull, os.O_RDWR)
+    fd_queue = []
+    while True:
+        data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+        if not data:
+            os._exit(0)
+        fd_queue.extend(fds)
+        for header, blobs in reader.feed(data):
+            cell_fds, fd_queue = fd_queue[:3], fd_queue[3:]
+            for target, fd in zip((0, 1, 2), cell_fds):
+                os.dup2(fd, target)
+                os.close(fd)
+            # Fresh stream objects: an earlier cell may have closed or replaced them (exit()
+            # closes sys.stdin, for one).
+            sys.stdin = open(0, "r", closefd=False, encoding="utf-8")
+            sys.stdout = open(1, "w", closefd=False, encoding="utf-8")
+            sys.stderr = open(2, "w", closefd=False, encoding="utf-8", errors="backslashreplace")
+            code, oom = exec_python(blobs[0].decode("utf-8", "surrogateescape"), main.__dict__,
+                                    filename="<cell>")
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except BaseException:
+                    pass
+            for target in (0, 1, 2):
+                os.dup2(null, target)
+            _kill_cell_leftovers(pidns)
+            sock.sendall(pack({"op": "cell_done", "id": header.get("id"),
+                               "exit_code": 128 + signal.SIGKILL if oom else code, "oom": oom}))
+            if oom:  # its heap may be wrecked: the next cell gets a fresh interpreter
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- zygote
+class Job:
+    """One run (or one kernel cell) the zygote is waiting for."""
+
+    def __init__(self, rid, out_fd, err_fd, deadline, uid=None, session=None):
+        self.rid = rid
+        self.out_fd = out_fd
+        self.err_fd = err_fd
+        self.deadline = deadline
+        self.uid = uid
+        self.session = session
+        self.started = time.monotonic()
+        self.timed_out = False
+        self.cancelled = False
+
+
+class Kernel:
+    def __init__(self, pid, sock, uid, spec):
+        self.pid = pid
+        self.session = spec["session"]
+        self.sock = sock
+        self.uid = uid
+        self.spec = spec
+        self.reader = FrameReader(MAX_CHILD_FRAME)
+        self.job = None
+
+
+class Zygote:
+    def __init__(self, chan_in, chan_out, opts):
+        self.chan_in = chan_in
+        self.chan_out = chan_out
+        self.opts = opts
+        self.pid = os.getpid()
+        self.reader = FrameReader(1 << 31)
+        self.runs = {}  # leader pid -> Job
+        self.kernels = {}  # session -> live Kernel
+        self.kernel_pids = {}  # pid -> Kernel (live or retired, until reaped)
+        self.sel = selectors.DefaultSelector()
+        self.max_output = int(opts.get("max_output", 1 << 17))
+        self.null = os.open(os.devnull, os.O_RDWR)
+
+    # -- plumbing
+    def send(self, header, blobs=()):
+        data = memoryview(pack(header, blobs))
+        while data:
+            try:
+                data = data[os.write(self.chan_out, data):]
+            except InterruptedError:
+                continue
+
+    def _memfd(self, name, data=None):
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        if data:
+            os.write(fd, data)
+            os.lseek(fd, 0, os.SEEK_SET)
+        return fd
+
+    def _collect(self, fd):
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, min(size, self.max_output), 0) if size else b""
+        os.close(fd)
+        return data, size
+
+    def tracked(self):
+        return set(self.runs) | set(self.kernel_pids)
+
+    def _fork(self, target, req, fds, blobs):
+        if self.opts.get("pidns"):
+            pid = os.fork()
+            if pid == 0:
+                pidns_leader(self.opts, req, fds, blobs, target)
+            return pid
+        pid = os.fork()
+        if pid == 0:
+            target(self.opts, req, fds, blobs)
+            os._exit(1)
+        return pid
+
+    # -- requests
+    def handle(self, header, blobs):
+        op = header.get("op")
+        try:
+            if op == "run":
+                self.start_run(header, blobs)
+            elif op == "cell":
+                self.start_cell(header, blobs)
+            elif op == "cancel":
+                self.cancel(header["id"])
+            elif op == "kernel_stop":
+                self.stop_kernel(header["session"])
+                self.send({"op": "ok", "id": header["id"]})
+            elif op == "sweep":
+                uid = header.get("uid")
+                if uid is not None:
+                    self.kill_uid(uid)
+                ok = kill_descendants(self.pid, keep=self.tracked(), uid=uid)
+                self.send({"op": "ok", "id": header["id"], "clean": ok})
+            elif op == "mkdir":
+                os.mkdir(header["path"], 0o700)
+                if header.get("uid") is not None:
+                    os.chown(header["path"], header["uid"], header["uid"])
+                self.send({"op": "ok", "id": header["id"]})
+            elif op == "rmtree":
+                remove_tree(header["path"])
+                self.send({"op": "ok", "id": header["id"]})
+            elif op == "write_file":
+                owner = header.get("owner")
+                write_tree_file(header["root"], header["path"], blobs[0],
+                                owner=tuple(owner) if owner else None)
+                self.send({"op": "ok", "id": header["id"]})
+            elif op == "read_file":
+                data = read_tree_file(header["root"], header["path"], int(header["limit"]))
+                self.send({"op": "ok", "id": header["id"]}, [data])
+            elif op == "ping":
+                self.send({"op": "ok", "id": header.get("id")})
+            elif op == "shutdown":
+                self.shutdown()
+            else:
+                raise ValueError("unknown op %r" % op)
+        except Exception as exc:
+            self.send({"op": "error", "id": header.get("id"), "error": "%s: %s" % (
+                type(exc).__name__, exc)})
+
+    def start_run(self, req, blobs):
+        files_n = len(req.get("files", []))
+        stdin = blobs[files_n] if req.get("has_stdin") else None
+        in_fd = self._memfd("stdin", stdin) if stdin else os.open(os.devnull, os.O_RDONLY)
+        out_fd, err_fd = self._memfd("stdout"), self._memfd("stderr")
+        fds = (in_fd, out_fd, err_fd)
+        status_fd = None
+        if req.get("kind") == "python":
+            status_fd = self._memfd("status")
+            fds += (status_fd,)
+        oom_before = self.oom_count()
+        try:
+            pid = self._fork(run_child, req, fds, blobs[:files_n])
+        finally:
+            os.close(in_fd)
+        deadline = time.monotonic() + float(req["timeout"])
+        job = self.runs[pid] = Job(req["id"], out_fd, err_fd, deadline, uid=req.get("uid"))
+        job.remove_dir = req["workdir"] if req.get("create_workdir") else None
+        job.status_fd = status_fd
+        job.oom_before = oom_before
+
+    def oom_count(self):
+        """Kernel OOM kills so far in our memory cgroup (containers), or None if unknown."""
+        for path in self.opts.get("oom_events") or ():
+            try:
+                with open(path) as fh:
+                    for line in fh:
+                        if line.startswith("oom_kill "):
+                            return int(line.split()[1])
+            except (OSError, ValueError):
+                continue
+        return None
+
+    def start_cell(self, req, blobs):
+        session = req["session"]
+        kernel = self.kernels.get(session)
+        restarted = False
+        if kernel is None:
+            restarted = bool(req.get("had_kernel"))
+            kernel = self.start_kernel(req)
+        if kernel.job is not None:
+            raise RuntimeError("session %r is already running a cell" % session)
+        stdin = blobs[1] if req.get("has_stdin") else None
+        in_fd = self._memfd("stdin", stdin) if stdin else os.open(os.devnull, os.O_RDONLY)
+        out_fd, err_fd = self._memfd("stdout"), self._memfd("stderr")
+        job = Job(req["id"], out_fd, err_fd, time.monotonic() + float(req["timeout"]),
+                  uid=kernel.uid, session=session)
+        job.restarted = restarted
+        kernel.job = job
+        try:
+            socket.send_fds(kernel.sock, [pack({"op": "cell", "id": req["id"]}, [blobs[0]])],
+                            [in_fd, out_fd, err_fd])
+        except OSError:
+            pass  # the kernel died; its exit is reaped and reported for this cell
+        finally:
+            os.close(in_fd)
+
+    def start_kernel(self, req):
+        parent_sock, child_sock = socket.socketpair()
+        spec = dict(req, _sock_fd=child_sock.fileno(), files=[])
+        fds = (self.null, self.null, self.null)
+        try:
+            pid = self._fork(kernel_child, spec, fds, [])
+        finally:
+            child_sock.close()
+        parent_sock.setblocking(False)
+        kernel = Kernel(pid, parent_sock, req.get("uid"), req)
+        self.kernels[req["session"]] = kernel
+        self.kernel_pids[pid] = kernel
+        self.sel.register(parent_sock, selectors.EVENT_READ, ("kernel", req["session"]))
+        return kernel
+
+    def stop_kernel(self, session):
+        kernel = self.kernels.get(session)
+        if kernel is not None:
+            self.retire(kernel)
+
+    def retire(self, kernel):
+        """Forget a kernel (the next cell of its session starts a fresh one) and kill it."""
+        if self.kernels.get(kernel.session) is kernel:
+            del self.kernels[kernel.session]
+        if kernel.sock is not None:
+            self.sel.unregister(kernel.sock)
+            kernel.sock.close()
+            kernel.sock = None
+        self._kill_tree(kernel.pid, kernel.uid)
+
+    def cancel(self, rid):
+        for pid, job in list(self.runs.items()):
+            if job.rid == rid:
+                job.cancelled = True
+                self._kill_tree(pid, job.uid)
+        for kernel in self.kernels.values():
+            if kernel.job is not None and kernel.job.rid == rid:
+                kernel.job.cancelled = True
+                self._kill_tree(kernel.pid, kernel.uid)
+
+    def _kill_tree(self, pid, uid=None):
+        """Kill a run: its direct children (a pid-namespace init takes its whole namespace
+        down), its process group, itself, and in uid mode everything of its uid."""
+        kids = children_of(pid)  # before the leader dies and they are re-parented
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        for p in kids + [pid]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        if uid is not None:
+            self.kill_uid(uid)
+
+    def kill_uid(self, uid):
+        """SIGKILL every process of ``uid`` at once: a helper takes the uid and calls
+        kill(-1), which the kernel applies atomically (no /proc walk racing a fork bomb)."""
+        try:
+            pid = os.fork()
+        except OSError:
+            return False
+        if pid == 0:
+            try:
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+                os.kill(-1, signal.SIGKILL)
+            except BaseException:
+                pass
+            os._exit(0)
+        while True:
+            try:
+                _, status, ru = os.wait4(pid, 0)
+                break
+            except InterruptedError:
+                continue
+            except ChildProcessError:
+                break
+        return True
+
+    # -- events
+    def on_kernel_readable(self, session):
+        kernel = self.kernels.get(session)
+        if kernel is None:
+            return
+        try:
+            data = kernel.sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.retire(kernel)  # its exit is reaped and reported for a running cell
+            return
+        try:
+            frames = kernel.reader.feed(data)
+        except ValueError:
+            frames = None
+        if frames is None or any(h.get("op") != "cell_done" for h, _ in frames):
+            self.retire(kernel)  # a kernel that speaks nonsense is treated as crashed
+            return
+        for header, _ in frames:
+            job = kernel.job
+            if job is None or header.get("id") != job.rid:
+                self.retire(kernel)
+                return
+            kernel.job = None
+            code = header.get("exit_code")
+            if header.get("oom"):
+                self.retire(kernel)  # it kills itself anyway; never send it another cell
+            self.finish(job, exit_code=code if isinstance(code, int) else 1,
+                        oom=bool(header.get("oom")))
+
+    def on_exit(self, pid, status, ru):
+        job = self.runs.pop(pid, None)
+        if job is not None:
+            self.sweep(job.uid)
+            self.finish(job, status=status, ru=ru)
+            if job.remove_dir:
+                remove_tree(job.remove_dir)  # after replying: off the run's latency
+            return
+        kernel = self.kernel_pids.pop(pid, None)
+        if kernel is None:
+            return
+        if self.kernels.get(kernel.session) is kernel:
+            del self.kernels[kernel.session]
+        if kernel.sock is not None:
+            self.sel.unregister(kernel.sock)
+            kernel.sock.close()
+            kernel.sock = None
+        self.sweep(kernel.uid)
+        if kernel.job is not None:
+            job, kernel.job = kernel.job, None
+            self.finish(job, status=status, ru=ru, kernel_died=True)
+
+    def sweep(self, uid):
+        """After a run: kill whatever it left behind (orphans re-attach to us, the subreaper).
+        Cheap when nothing is left: one read of our children list."""
+        tracked = self.tracked()
+        leftovers = [p for p in children_of(self.pid) if p not in tracked and not _is_zombie(p)]
+        if not leftovers:
+            return
+        if uid is not None:
+            if any(real_uid_of(p) == uid for p in leftovers):
+                self.kill_uid(uid)
+            kill_descendants(self.pid, keep=tracked, uid=uid)
+        else:  # pid-namespace inits of finished runs, or plain mode: all untracked children
+            kill_descendants(self.pid, keep=tracked)
+
+    def finish(self, job, status=None, ru=None, exit_code=None, kernel_died=False, oom=False):
+        out, out_size = self._collect(job.out_fd)
+        err, err_size = self._collect(job.err_fd)
+        status_fd = getattr(job, "status_fd", None)
+        if status_fd is not None:
+            oom = oom or os.pread(status_fd, 16, 0).startswith(b"oom")
+            os.close(status_fd)
+        before = getattr(job, "oom_before", None)
+        if before is not None:
+            after = self.oom_count()
+            oom = oom or (after is not None and after > before)
+        header = {"op": "done", "id": job.rid, "status": status, "exit_code": exit_code,
+                  "timed_out": job.timed_out, "cancelled": job.cancelled, "oom": oom,
+                  "duration": time.monotonic() - job.started,
+                  "out_size": out_size, "err_size": err_size, "kernel_died": kernel_died,
+                  "restarted": getattr(job, "restarted", False)}
+        if ru is not None:
+            header["cpu"] = ru.ru_utime + ru.ru_stime
+            header["maxrss_kb"] = ru.ru_maxrss
+        self.send(header, [out, err])
+
+    def check_deadlines(self):
+        now = time.monotonic()
+        nearest = None
+        for pid, job in list(self.runs.items()):
+            if job.timed_out or job.cancelled:
+                continue
+            if job.deadline <= now:
+                job.timed_out = True
+                self._kill_tree(pid, job.uid)
+            elif nearest is None or job.deadline < nearest:
+                nearest = job.deadline
+        for kernel in list(self.kernels.values()):
+            job = kernel.job
+            if job is None or job.timed_out or job.cancelled:
+                continue
+            if job.deadline <= now:
+                job.timed_out = True
+                self._kill_tree(kernel.pid, kernel.uid)
+            elif nearest is None or job.deadline < nearest:
+                nearest = job.deadline
+        return None if nearest is None else max(0.0, nearest - now)
+
+    def reap(self):
+        reap_strays(())
+        while _STRAY_EXITS:
+            pid, (status, ru) = _STRAY_EXITS.popitem()
+            self.on_exit(pid, status, ru)
+
+    def shutdown(self):
+        for pid in list(self.runs) + list(self.kernel_pids):
+            self._kill_tree(pid)
+        kill_descendants(self.pid)
+        os._exit(0)
+
+    def serve(self):
+        _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+        # As pid 1 of a container nothing inside can signal us once no handler is installed.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.set_wakeup_fd(wake_w)
+        os.set_blocking(self.chan_in, False)
+        self.sel.register(self.chan_in, selectors.EVENT_READ, ("chan", None))
+        self.sel.register(wake_r, selectors.EVENT_READ, ("wake", None))
+        timeout = None
+        while True:
+            for key, _ in self.sel.select(timeout):
+                kind, arg = key.data
+                if kind == "chan":
+                    try:
+                        data = os.read(self.chan_in, 1 << 20)
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    if not data:
+                        self.shutdown()  # the host went away: leave nothing behind
+                    for header, blobs in self.reader.feed(data):
+                        self.handle(header, blobs)
+                elif kind == "wake":
+                    try:
+                        while os.read(wake_r, 4096):
+                            pass
+                    except (BlockingIOError, InterruptedError):
+                        pass
+                else:
+                    self.on_kernel_readable(arg)
+            self.reap()
+            timeout = self.check_deadlines()
+
+
+def probe_features(opts):
+    """What this process may use; reported to the host in the ``ready`` frame."""
+    abi = landlock_abi() if opts.get("landlock", True) else 0
+    feats = {"landlock_abi": abi, "euid": os.geteuid(), "pid": os.getpid()}
+    pid = os.fork()
+    if pid == 0:  # can children get their own pid namespace?
+        os._exit(0 if _libc.unshare(CLONE_NEWPID) == 0 else 1)
+    feats["pidns_ok"] = os.waitpid(pid, 0)[1] == 0
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmSize:"):
+                feats["vmsize_kb"] = int(line.split()[1])
+    return feats
+
+
+def main():
+    opts = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
+    if opts.get("stdio"):
+        chan_in, chan_out = os.dup(0), os.dup(1)
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        os.dup2(null, 1)
+    else:
+        chan_in = chan_out = int(opts.get("fd", 3))
+        os.set_inheritable(chan_in, False)
+    # Started with -S: site-packages are put on sys.path without running any .pth code.
+    sys.path.extend(p for p in opts.get("sys_path", []) if p not in sys.path)
+    for name in opts.get("preload", []):
+        try:
+            __import__(name)
+        except Exception:
+            pass  # a missing optional module is not an error; the child gets ImportError
+    reader = FrameReader(1 << 31)
+    init = None
+    while init is None:  # the first frame carries the seccomp filter and the final options
+        data = os.read(chan_in, 1 << 20)
+        if not data:
+            os._exit(0)
+        for header, blobs in reader.feed(data):
+            init = (header, blobs)
+    header, blobs = init
+    opts.update(header.get("opts", {}))
+    opts["_seccomp_prog"] = seccomp_prepare(blobs[0]) if blobs and blobs[0] else None
+    opts["_hard_limits"] = hard_limits()
+    os.environ.clear()
+    os.environ.update(opts.get("env", {}))
+    feats = probe_features(opts)
+    opts["landlock_abi"] = min(feats["landlock_abi"], int(opts.get("landlock_max_abi", 99)))
+    opts["_landlock"] = landlock_prepare(opts["landlock_abi"], opts.get("ro_paths", ["/"]),
+                                         opts.get("dev_files", [])) \
+        if opts["landlock_abi"] else None
+    if opts.get("pidns") and not feats["pidns_ok"]:
+        opts["pidns"] = False
+    zyg = Zygote(chan_in, chan_out, opts)
+    zyg.reader = reader
+    feats["pidns"] = bool(opts.get("pidns"))
+    zyg.send({"op": "ready", "features": feats})
+    import gc
+    gc.collect()
+    gc.freeze()  # long-lived objects out of the collector's way: children copy fewer pages
+    zyg.serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,368 @@
+"""The ``Sandbox`` interface: one async API over every backend, plus stateful sessions.
+
+``Sandbox(...)`` is also the factory (``backend="local"`` by default, or ``"docker"``)::
+
+    async with Sandbox(memory_mb=256) as sb:
+        result = await sb.run("print(1 + 1)", language="python", timeout=5.0,
+                              stdin=None, files={"data.txt": b"42"})
+        async with sb.session(persistent_python=True) as s:   # working dir (and vars) persist
+            await s.run("x = 41")
+            await s.run("print(x + 1)")
+            await s.write_file("in.txt", b"hello")
+            await s.run_command(["cat", "in.txt"])
+
+Stateless ``run``/``run_command`` get a fresh working directory each time. A failing program and
+a failing sandbox both come back as an ``ExecResult`` (the latter with ``error`` set); only bad
+arguments (a caller bug) raise, as ``SandboxError``/``ConfigError`` saying what to fix.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from palaestra.errors import ConfigError, SandboxError
+from palaestra.sandbox.config import SandboxConfig
+from palaestra.sandbox.limiter import ExecLimiter
+from palaestra.sandbox.result import ExecResult
+
+#: language -> argv prefix that runs the code (python runs in a warm interpreter instead)
+SHELL_LANGUAGES: dict[str, tuple[str, ...]] = {"bash": ("bash", "-c"), "sh": ("sh", "-c")}
+LANGUAGES: tuple[str, ...] = ("python", *SHELL_LANGUAGES)
+MAX_TIMEOUT_S = 24 * 3600.0
+
+FileMap = Mapping[str, "bytes | str"]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One validated execution request (what backends receive)."""
+
+    kind: str  # "python" (code in a warm interpreter) or "exec" (argv)
+    code: str
+    argv: tuple[str, ...]
+    timeout: float
+    stdin: bytes | None
+    files: tuple[tuple[str, bytes], ...]
+
+
+def check_relative_path(path: str) -> str:
+    """A normalised relative path inside the workspace, or SandboxError saying why not."""
+    if not isinstance(path, str) or not path or "\x00" in path:
+        raise SandboxError(f"bad file name {path!r}: use a non-empty relative path")
+    parts = [p for p in path.replace("\\", "/").split("/") if p not in ("", ".")]
+    if path.startswith("/") or not parts or any(p == ".." for p in parts):
+        raise SandboxError(f"bad file name {path!r}: use a relative path inside the workspace "
+                           "(no leading '/', no '..')")
+    return "/".join(parts)
+
+
+def _as_bytes(data: bytes | str, what: str) -> bytes:
+    if isinstance(data, str):
+        return data.encode("utf-8")
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data)
+    raise SandboxError(f"{what} must be bytes or str, got {type(data).__name__}")
+
+
+def make_spec(kind: str, code: str, argv: Sequence[str], timeout: float,
+              stdin: bytes | str | None, files: FileMap | None) -> RunSpec:
+    """Validate the arguments of run/run_command (raises SandboxError for caller mistakes)."""
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or \
+            not math.isfinite(timeout) or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise SandboxError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], "
+                           f"got {timeout!r}")
+    if kind == "python" and not isinstance(code, str):
+        raise SandboxError(f"code must be a str, got {type(code).__name__}")
+    if kind == "exec":
+        if isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv):
+            raise SandboxError(f"argv must be a non-empty list of strings, got {argv!r}")
+        if any("\x00" in a for a in argv):
+            raise SandboxError("argv entries cannot contain NUL bytes")
+    items: list[tuple[str, bytes]] = []
+    if files is not None:
+        if not isinstance(files, Mapping):
+            raise SandboxError(f"files must be a mapping name -> bytes, got {type(files).__name__}")
+        for name, data in files.items():
+            items.append((check_relative_path(name), _as_bytes(data, f"files[{name!r}]")))
+    raw_stdin = None if stdin is None else _as_bytes(stdin, "stdin")
+    return RunSpec(kind=kind, code=code, argv=tuple(argv), timeout=float(timeout),
+                   stdin=raw_stdin, files=tuple(items))
+
+
+def spec_for_language(code: str, language: str, timeout: float, stdin: bytes | str | None,
+                      files: FileMap | None) -> RunSpec:
+    if language == "python":
+        return make_spec("python", code, (), timeout, stdin, files)
+    if language in SHELL_LANGUAGES:
+        if not isinstance(code, str):
+            raise SandboxError(f"code must be a str, got {type(code).__name__}")
+        return make_spec("exec", code, (*SHELL_LANGUAGES[language], code), timeout, stdin, files)
+    raise SandboxError(f"unsupported language {language!r}; choose one of {', '.join(LANGUAGES)} "
+                       "(or use run_command(argv) for anything else)")
+
+
+def _backend_class(backend: str) -> type[Sandbox]:
+    if backend == "local":
+        from palaestra.sandbox.local import LocalSandbox
+
+        return LocalSandbox
+    if backend == "docker":
+        from palaestra.sandbox.docker_backend import DockerSandbox
+
+        return DockerSandbox
+    raise ConfigError(f"unknown sandbox backend {backend!r}; choose 'local' or 'docker'")
+
+
+class Sandbox(abc.ABC):
+    """Async sandbox for untrusted code. ``Sandbox(...)`` builds the ``backend`` asked for."""
+
+    backend_name = "abstract"
+
+    def __new__(cls, *args: Any, backend: str | None = None, **kwargs: Any) -> Sandbox:
+        if cls is Sandbox:
+            cls = _backend_class(backend or "local")
+        return super().__new__(cls)
+
+    def __init__(self, config: SandboxConfig | None = None, *, limiter: ExecLimiter | None = None,
+                 backend: str | None = None, **options: Any) -> None:
+        if backend is not None and backend != self.backend_name:
+            raise ConfigError(f"{type(self).__name__} is the {self.backend_name!r} backend, "
+                              f"not {backend!r}; use Sandbox(backend={backend!r})")
+        self.config = SandboxConfig.from_kwargs(config, **options)
+        self._limiter = limiter
+        self._start_lock: asyncio.Lock | None = None
+        self._started = False
+        self._closed = False
+        self._default_session: SandboxSession | None = None
+
+    @property
+    def limiter(self) -> ExecLimiter:
+        """The limiter every run of this sandbox goes through (shared if one was passed)."""
+        if self._limiter is None:
+            self._limiter = ExecLimiter(self.config.max_concurrency, self.config.rate_limit_per_s)
+        return self._limiter
+
+    # -- lifecycle
+    async def __aenter__(self) -> Sandbox:
+        await self.start()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Start workers (idempotent). Raises SandboxError if the sandbox cannot be made safe."""
+        if self._closed:
+            raise SandboxError("this sandbox was closed; create a new one")
+        if self._started:
+            return
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self._started:
+                return
+            await self._start()
+            self._started = True
+            if self.config.stateful:
+                self._default_session = await SandboxSession(
+                    self, self.config.persistent_python).open()
+
+    async def close(self) -> None:
+        """Stop everything this sandbox started and delete its working directories."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._default_session is not None:
+            await self._default_session.close()
+        if self._started:
+            await self._close()
+
+    # -- public API
+    async def run(self, code: str, language: str = "python", timeout: float = 5.0,
+                  stdin: bytes | str | None = None, files: FileMap | None = None) -> ExecResult:
+        """Run a program (``language``: python, bash, sh) in a fresh working directory."""
+        if self._default_session is not None or self.config.stateful:
+            await self.start()
+            assert self._default_session is not None
+            return await self._default_session.run(code, language, timeout, stdin, files)
+        spec = spec_for_language(code, language, timeout, stdin, files)
+        return await self._guarded(spec, None)
+
+    async def run_command(self, argv: Sequence[str], timeout: float = 5.0,
+                          stdin: bytes | str | None = None,
+                          files: FileMap | None = None) -> ExecResult:
+        """Run ``argv`` (searched on the sandbox PATH) in a fresh working directory."""
+        if self._default_session is not None or self.config.stateful:
+            await self.start()
+            assert self._default_session is not None
+            return await self._default_session.run_command(argv, timeout, stdin, files)
+        spec = make_spec("exec", "", argv, timeout, stdin, files)
+        return await self._guarded(spec, None)
+
+    async def read_file(self, path: str) -> bytes:
+        """Read a file of the stateful workspace (``Sandbox(stateful=True)``)."""
+        return await self._stateful("read_file").read_file(path)
+
+    async def write_file(self, path: str, data: bytes | str) -> None:
+        """Write a file into the stateful workspace (``Sandbox(stateful=True)``)."""
+        await self._stateful("write_file").write_file(path, data)
+
+    def session(self, persistent_python: bool = False) -> SandboxSession:
+        """A stateful session: its working directory persists across calls until closed;
+        with ``persistent_python`` python code shares one interpreter (variables persist)."""
+        return SandboxSession(self, persistent_python)
+
+    def _stateful(self, what: str) -> SandboxSession:
+        if self._default_session is None:
+            raise SandboxError(f"{what} needs a stateful sandbox: use Sandbox(stateful=True) "
+                               "(and enter it) or `async with sandbox.session() as s`")
+        return self._default_session
+
+    async def _guarded(self, spec: RunSpec, handle: Any) -> ExecResult:
+        """Run through the limiter; any sandbox failure becomes an error ExecResult."""
+        try:
+            await self.start()
+        except SandboxError:
+            if not self._started:
+                raise  # never started: a setup problem the caller must fix
+        async with self.limiter:
+            try:
+                return await self._execute(spec, handle)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bad rollout is data, not a crash
+                return ExecResult.failure(f"{type(exc).__name__}: {exc}")
+
+    # -- backend hooks
+    @abc.abstractmethod
+    async def _start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _close(self) -> None: ...
+
+    @abc.abstractmethod
+    async def _execute(self, spec: RunSpec, handle: Any) -> ExecResult: ...
+
+    @abc.abstractmethod
+    async def _open_session(self, persistent_python: bool) -> Any: ...
+
+    @abc.abstractmethod
+    async def _close_session(self, handle: Any) -> None: ...
+
+    @abc.abstractmethod
+    async def _run_cell(self, handle: Any, spec: RunSpec) -> ExecResult: ...
+
+    @abc.abstractmethod
+    async def _read_file(self, handle: Any, path: str) -> bytes: ...
+
+    @abc.abstractmethod
+    async def _write_file(self, handle: Any, path: str, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def _session_workdir(self, handle: Any) -> str: ...
+
+
+class SandboxSession:
+    """A working directory (and optionally a python interpreter) that persists across calls.
+
+    Calls are serialised; nothing a call starts outlives it (except the persistent interpreter).
+    If the interpreter dies (timeout, crash, memory) the next call starts a fresh one and says
+    so in stderr; files in the working directory are kept.
+    """
+
+    def __init__(self, sandbox: Sandbox, persistent_python: bool = False) -> None:
+        self.sandbox = sandbox
+        self.persistent_python = persistent_python
+        self._handle: Any = None
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    @property
+    def workdir(self) -> str:
+        """The session's working directory as the sandboxed program sees it."""
+        self._need_open()
+        return self.sandbox._session_workdir(self._handle)
+
+    async def open(self) -> SandboxSession:
+        if self._handle is None:
+            await self.sandbox.start()
+            self._handle = await self.sandbox._open_session(self.persistent_python)
+        return self
+
+    async def __aenter__(self) -> SandboxSession:
+        return await self.open()
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.close()
+
+    def _need_open(self) -> None:
+        if self._closed:
+            raise SandboxError("this session is closed; open a new one with sandbox.session()")
+        if self._handle is None:
+            raise SandboxError("session not open: use `async with sandbox.session() as s`")
+
+    async def run(self, code: str, language: str = "python", timeout: float = 5.0,
+                  stdin: bytes | str | None = None, files: FileMap | None = None) -> ExecResult:
+        """Run code in the session's directory (python in the persistent interpreter if any)."""
+        spec = spec_for_language(code, language, timeout, stdin, files)
+        await self.open()
+        self._need_open()
+        async with self._lock:
+            if spec.kind == "python" and self.persistent_python:
+                for name, data in spec.files:
+                    await self.sandbox._write_file(self._handle, name, data)
+                return await self._call(self.sandbox._run_cell, self._handle, spec)
+            return await self.sandbox._guarded(spec, self._handle)
+
+    async def run_command(self, argv: Sequence[str], timeout: float = 5.0,
+                          stdin: bytes | str | None = None,
+                          files: FileMap | None = None) -> ExecResult:
+        """Run ``argv`` in the session's working directory."""
+        spec = make_spec("exec", "", argv, timeout, stdin, files)
+        await self.open()
+        self._need_open()
+        async with self._lock:
+            return await self.sandbox._guarded(spec, self._handle)
+
+    async def _call(self, fn: Any, handle: Any, spec: RunSpec) -> ExecResult:
+        async with self.sandbox.limiter:
+            try:
+                return await fn(handle, spec)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                return ExecResult.failure(f"{type(exc).__name__}: {exc}")
+
+    async def read_file(self, path: str) -> bytes:
+        """Bytes of a regular file in the workspace (symlinks are never followed)."""
+        rel = check_relative_path(path)
+        await self.open()
+        self._need_open()
+        async with self._lock:
+            return await self.sandbox._read_file(self._handle, rel)
+
+    async def write_file(self, path: str, data: bytes | str) -> None:
+        """Create or replace a file in the workspace (parent directories are created)."""
+        rel = check_relative_path(path)
+        raw = _as_bytes(data, "data")
+        await self.open()
+        self._need_open()
+        async with self._lock:
+            await self.sandbox._write_file(self._handle, rel, raw)
+
+    async def close(self) -> None:
+        """Kill the session's processes and delete its working directory."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            await self.sandbox._close_session(handle)

@@ -1,0 +1,337 @@
+"""``LocalSandbox``: the default backend, no daemon needed, ~2 ms per run.
+
+A warm zygote (``_agent.py``) runs inside bubblewrap (or ``unshare``) with the filesystem
+read-only and no network; it forks a fresh child per run that applies rlimits, its own uid
+(when the host runs as root) or pid namespace, Landlock and seccomp before running the code.
+Stateless runs get a fresh working directory that is deleted afterwards; sessions keep one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from palaestra.errors import ConfigError, SandboxError
+from palaestra.sandbox.base import RunSpec, Sandbox
+from palaestra.sandbox.cgroups import PidsCgroup
+from palaestra.sandbox.errors import IsolationUnavailableError, SandboxFileError
+from palaestra.sandbox.isolation import (
+    DEV_FILES,
+    ZYGOTE_CAPS_PIDNS,
+    ZYGOTE_CAPS_UID,
+    PythonLayout,
+    bwrap_argv,
+    clean_env,
+    landlock_paths,
+    python_layout,
+    unshare_argv,
+)
+from palaestra.sandbox.probe import IsolationReport, probe_isolation
+from palaestra.sandbox.result import ExecResult
+from palaestra.sandbox.uids import UidRange
+from palaestra.sandbox.zygote import LocalZygote, ZygoteDied
+from palaestra.sandbox.outcome import result_from_frame
+
+MIB = 1024 * 1024
+#: Extra seconds the host waits beyond a run's timeout before declaring the worker hung.
+HOST_GRACE_S = 10.0
+#: Where working directories live inside bubblewrap (a private tmpfs).
+BWRAP_ROOT = "/sandbox"
+
+
+@dataclass
+class _LocalSession:
+    sid: str
+    workdir: str
+    uid: int | None
+    worker: int
+    persistent: bool
+    had_kernel: bool = False
+
+
+class LocalSandbox(Sandbox):
+    """Runs code on this machine under the strongest isolation available (see ``doctor``)."""
+
+    backend_name = "local"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._workers: list[LocalZygote | None] = []
+        self._restart_locks: list[asyncio.Lock] = []
+        self._uids: UidRange | None = None
+        self._root = ""
+        self._host_root = ""
+        self._ids = itertools.count(1)
+        self._init_opts: dict[str, Any] = {}
+        self._seccomp = b""
+        self._launcher: list[str] = []
+        self._layout: PythonLayout | None = None
+        self.report: IsolationReport | None = None
+        self._cgroup: PidsCgroup | None = None
+        self.mode: dict[str, Any] = {}
+
+    # -- lifecycle
+    async def _start(self) -> None:
+        cfg = self.config
+        report = self.report = await asyncio.to_thread(probe_isolation)
+        layout = self._layout = await asyncio.to_thread(python_layout, cfg.python)
+        launcher = self._choose_launcher(report)
+        per_run_uid = report.root if cfg.per_run_uid is None else cfg.per_run_uid
+        if per_run_uid and not report.root:
+            raise IsolationUnavailableError("per_run_uid=True needs root; leave it unset")
+        if per_run_uid and launcher != "bwrap" and not _world_traversable(layout.dirs):
+            if cfg.per_run_uid:
+                raise IsolationUnavailableError(
+                    f"per-run uids cannot read the interpreter under {layout.dirs[0]} without "
+                    "bubblewrap (a parent directory is not world-searchable); install bubblewrap")
+            per_run_uid = False
+        pidns = (not per_run_uid) if cfg.per_run_pid_namespace is None \
+            else cfg.per_run_pid_namespace
+        from palaestra.sandbox.seccomp import build_filter_bpf
+
+        self._seccomp = await asyncio.to_thread(build_filter_bpf)
+        if launcher == "bwrap":
+            self._root, self._host_root = BWRAP_ROOT, ""
+            caps: tuple[str, ...] = ()
+            if report.root:
+                caps = ZYGOTE_CAPS_UID + (ZYGOTE_CAPS_PIDNS if pidns else ())
+            assert report.bwrap is not None
+            self._launcher = bwrap_argv(report.bwrap, layout, self._root, cfg.ro_paths, caps,
+                                        cfg.workspace_mb)
+        else:
+            # No private mount namespace: working directories live in a host temp directory.
+            self._root = self._host_root = tempfile.mkdtemp(prefix="palaestra-sbx-",
+                                                            dir=cfg.workdir_root)
+            os.chmod(self._root, 0o711)  # runs may enter their own directory, not list others
+            assert launcher == "none" or report.unshare is not None
+            self._launcher = unshare_argv(report.unshare, report.root) \
+                if launcher == "unshare" and report.unshare else []
+        if report.root:
+            # Whole-sandbox process cap (the per-uid RLIMIT_NPROC bounds each run already).
+            limit = cfg.max_processes * (cfg.max_concurrency + 4) + 64
+            self._cgroup = await asyncio.to_thread(PidsCgroup.create, limit)
+        exe_dir = os.path.dirname(layout.executable)
+        child_env = clean_env({"PATH": f"{exe_dir}:/usr/local/bin:/usr/bin:/bin"})
+        child_env.update(cfg.env)
+        # Under bubblewrap only curated paths exist, so one read-only rule on "/" is enough
+        # (and cheaper per child); otherwise Landlock alone hides the rest of the host.
+        ro_paths = ["/"] if launcher == "bwrap" else landlock_paths(layout, cfg.ro_paths)
+        # bubblewrap's /dev holds only null, zero, full, random, urandom, tty and friends: one
+        # rule for it; on the host /dev, only the listed files (never block devices).
+        dev_files = ["/dev"] if launcher == "bwrap" else list(DEV_FILES)
+        self._init_opts = {
+            "ro_paths": ro_paths, "dev_files": dev_files,
+            "env": child_env, "max_output": cfg.max_output_bytes, "pidns": pidns,
+            "drop_caps": report.root and not per_run_uid, "landlock": True,
+        }
+        self._uids = UidRange() if per_run_uid else None
+        self.mode = {"launcher": launcher, "per_run_uid": per_run_uid, "per_run_pidns": pidns,
+                     "landlock_abi": report.landlock_abi, "seccomp": bool(self._seccomp),
+                     "pids_cgroup": self._cgroup.path if self._cgroup else None}
+        n_workers = cfg.workers or max(1, min(2, os.cpu_count() or 1))
+        self._workers = [None] * n_workers
+        self._restart_locks = [asyncio.Lock() for _ in range(n_workers)]
+        try:
+            await asyncio.gather(*(self._worker(i) for i in range(n_workers)))
+        except BaseException:
+            await self._close()
+            raise
+        feats = self._workers[0].features if self._workers[0] else {}
+        self.mode["per_run_pidns"] = bool(feats.get("pidns"))
+        self.mode["landlock_abi"] = feats.get("landlock_abi", 0)
+        vm_mb = feats.get("vmsize_kb", 0) / 1024
+        if vm_mb + 32 > cfg.memory_mb:
+            await self._close()
+            raise ConfigError(f"memory_mb={cfg.memory_mb} leaves no room: the warm interpreter "
+                              f"already maps {vm_mb:.0f} MiB (preloaded modules); raise memory_mb "
+                              "or preload fewer modules")
+
+    def _choose_launcher(self, report: IsolationReport) -> str:
+        cfg = self.config
+        if cfg.use_bwrap:
+            if not report.bwrap:
+                raise IsolationUnavailableError(
+                    "use_bwrap=True but bubblewrap does not work here "
+                    f"({'; '.join(report.notes) or 'not installed'}); apt-get install bubblewrap")
+            return "bwrap"
+        if cfg.use_bwrap is None and report.bwrap:
+            return "bwrap"
+        if report.unshare:
+            return "unshare"
+        if cfg.allow_network_isolation_fallback:
+            return "none"
+        raise IsolationUnavailableError(
+            "no network namespace can be created here (bubblewrap and `unshare --net` both "
+            "failed), so the sandbox refuses to start. Install bubblewrap, run with user "
+            "namespaces enabled, or pass allow_network_isolation_fallback=True to rely on "
+            "seccomp+Landlock alone.")
+
+    async def _worker(self, index: int) -> LocalZygote:
+        """The live zygote at ``index``, (re)started if needed."""
+        zyg = self._workers[index]
+        if zyg is not None and not zyg.closed:
+            return zyg
+        async with self._restart_locks[index]:
+            zyg = self._workers[index]
+            if zyg is not None and not zyg.closed:
+                return zyg
+            assert self._layout is not None
+            launcher = self._cgroup.wrap(self._launcher) if self._cgroup else self._launcher
+            sys_path = self._layout.site_dirs if self.config.python_site else ()
+            zyg = LocalZygote(f"worker{index}", launcher, self._layout.executable, sys_path,
+                              self.config.preload, clean_env())
+            await zyg.start(self._init_opts, self._seccomp)
+            self._workers[index] = zyg
+            return zyg
+
+    async def _pick(self) -> tuple[int, LocalZygote]:
+        best = min(range(len(self._workers)),
+                   key=lambda i: (self._workers[i] is None or self._workers[i].closed,  # type: ignore[union-attr]
+                                  self._workers[i].load if self._workers[i] else 0))  # type: ignore[union-attr]
+        return best, await self._worker(best)
+
+    async def _close(self) -> None:
+        for zyg in self._workers:
+            if zyg is not None:
+                await zyg.aclose()
+        self._workers = []
+        if self._host_root:
+            await asyncio.to_thread(_remove_tree, self._host_root)
+        if self._uids is not None:
+            self._uids.release_range()
+        if self._cgroup is not None:
+            await asyncio.to_thread(self._cgroup.remove)
+            self._cgroup = None
+
+    # -- runs
+    def _limits(self, timeout: float, cpu: float | None = None) -> dict[str, int | None]:
+        cfg = self.config
+        return {"cpu": int(cpu) if cpu else cfg.cpu_limit(timeout), "as": cfg.memory_mb * MIB,
+                "fsize": cfg.max_file_size_mb * MIB, "nofile": cfg.max_open_files,
+                # RLIMIT_NPROC counts every process of a uid: only meaningful with per-run uids
+                "nproc": cfg.max_processes if self._uids is not None else None}
+
+    async def _execute(self, spec: RunSpec, handle: _LocalSession | None) -> ExecResult:
+        if handle is None:
+            _, zyg = await self._pick()
+            uid = self._uids.acquire() if self._uids is not None else None
+            workdir, create = f"{self._root}/r{next(self._ids)}", True
+        else:
+            zyg = await self._worker(handle.worker)
+            uid, workdir, create = handle.uid, handle.workdir, False
+        header = {"op": "run", "kind": spec.kind, "code": spec.code, "argv": list(spec.argv),
+                  "workdir": workdir, "create_workdir": create, "uid": uid,
+                  "files": [name for name, _ in spec.files], "has_stdin": spec.stdin is not None,
+                  "timeout": spec.timeout, "limits": self._limits(spec.timeout)}
+        blobs = [data for _, data in spec.files]
+        if spec.stdin is not None:
+            blobs.append(spec.stdin)
+        try:  # the zygote deletes a run's directory itself once the run is over
+            reply, out = await zyg.request(header, blobs, timeout=spec.timeout + HOST_GRACE_S)
+        except ZygoteDied as exc:
+            return ExecResult.failure(str(exc))
+        finally:
+            if handle is None and uid is not None and self._uids is not None:
+                self._uids.release(uid)
+        return result_from_frame(reply, out)
+
+    # -- sessions
+    async def _open_session(self, persistent_python: bool) -> _LocalSession:
+        index, zyg = await self._pick()
+        uid = self._uids.acquire() if self._uids is not None else None
+        sid = f"s{next(self._ids)}"
+        workdir = f"{self._root}/{sid}"
+        reply, _ = await zyg.request({"op": "mkdir", "path": workdir, "uid": uid}, timeout=60)
+        if reply.get("op") != "ok":
+            if uid is not None and self._uids is not None:
+                self._uids.release(uid)
+            raise SandboxError(f"cannot create the session directory: {reply.get('error')}")
+        return _LocalSession(sid, workdir, uid, index, persistent_python)
+
+    async def _close_session(self, handle: _LocalSession) -> None:
+        zyg = self._workers[handle.worker] if handle.worker < len(self._workers) else None
+        if zyg is not None and not zyg.closed:
+            try:
+                if handle.persistent:
+                    await zyg.request({"op": "kernel_stop", "session": handle.sid}, timeout=30)
+                if handle.uid is not None:
+                    await zyg.request({"op": "sweep", "uid": handle.uid}, timeout=30)
+                await zyg.request({"op": "rmtree", "path": handle.workdir}, timeout=60)
+            except ZygoteDied:
+                pass
+        if self._host_root:
+            await asyncio.to_thread(_remove_tree, handle.workdir)
+        if handle.uid is not None and self._uids is not None:
+            self._uids.release(handle.uid)
+
+    async def _run_cell(self, handle: _LocalSession, spec: RunSpec) -> ExecResult:
+        zyg = await self._worker(handle.worker)
+        header = {"op": "cell", "session": handle.sid, "timeout": spec.timeout,
+                  "had_kernel": handle.had_kernel, "uid": handle.uid, "workdir": handle.workdir,
+                  "create_workdir": False, "kind": "kernel", "has_stdin": spec.stdin is not None,
+                  "limits": self._limits(spec.timeout, cpu=self.config.session_cpu_seconds)}
+        blobs = [spec.code.encode("utf-8", "surrogateescape")]
+        if spec.stdin is not None:
+            blobs.append(spec.stdin)
+        handle.had_kernel = True
+        try:
+            reply, out = await zyg.request(header, blobs, timeout=spec.timeout + HOST_GRACE_S)
+        except ZygoteDied as exc:
+            return ExecResult.failure(str(exc))
+        return result_from_frame(reply, out)
+
+    async def _read_file(self, handle: _LocalSession, path: str) -> bytes:
+        zyg = await self._worker(handle.worker)
+        reply, blobs = await zyg.request({"op": "read_file", "root": handle.workdir, "path": path,
+                                          "limit": self.config.max_read_bytes}, timeout=60)
+        if reply.get("op") != "ok":
+            raise SandboxFileError(f"cannot read {path!r}: {reply.get('error')}")
+        return blobs[0]
+
+    async def _write_file(self, handle: _LocalSession, path: str, data: bytes) -> None:
+        zyg = await self._worker(handle.worker)
+        owner = [handle.uid, handle.uid] if handle.uid is not None else None
+        reply, _ = await zyg.request({"op": "write_file", "root": handle.workdir, "path": path,
+                                      "owner": owner}, [data], timeout=60)
+        if reply.get("op") != "ok":
+            raise SandboxFileError(f"cannot write {path!r}: {reply.get('error')}")
+
+    def _session_workdir(self, handle: _LocalSession) -> str:
+        return handle.workdir
+
+
+def _world_traversable(dirs: tuple[str, ...]) -> bool:
+    for d in dirs:
+        path = d
+        while path not in ("/", ""):
+            try:
+                if not os.stat(path).st_mode & 0o001:
+                    return False
+            except OSError:
+                return False
+            path = os.path.dirname(path)
+    return True
+
+
+def _remove_tree(path: str) -> None:
+    try:
+        os.rmdir(path)  # the common case: a trivial run leaves an empty directory
+        return
+    except FileNotFoundError:
+        return
+    except OSError:
+        pass
+
+    def _retry(func: Any, p: str, _exc: Any) -> None:
+        try:
+            os.chmod(os.path.dirname(p), 0o700)
+            func(p)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=_retry)

@@ -1,0 +1,182 @@
+"""The manager with two Ray rollout workers: exact samples, failures, dynamic sampling, partial
+rollout, async staleness, checkpoints. The scripted engine plays the calculator env for real."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from conftest import calc_rows, worker_config
+from palaestra.errors import RolloutError
+from palaestra.rollout import DataSource, RolloutConfig, RolloutManager
+from palaestra.rollout.engines.scripted import scripted_logprob
+from palaestra.rollout.testing import FLAKY_ENTRY, CalculatorPolicy
+from palaestra.types import StopReason
+
+
+def manager(pool, tokenizer_dir, rows, *, wc=None, seed=0, **cfg) -> RolloutManager:
+    cfg.setdefault("num_workers", 2)
+    return RolloutManager(DataSource(rows, seed=seed, epochs=None),
+                          wc or worker_config(tokenizer_dir), RolloutConfig(**cfg), pool=pool)
+
+
+def check_ledger(metrics):
+    assert metrics["ledger/unaccounted"] == 0
+    assert metrics["ledger/drawn"] == sum(
+        metrics[f"ledger/{k}"]
+        for k in ("kept", "filtered", "failed", "stale_dropped", "queued", "in_flight", "ready")
+    )
+
+
+async def test_batch_of_64_groups_x4_is_token_exact(ray_pool, tokenizer_dir):
+    async with manager(ray_pool, tokenizer_dir, calc_rows(200), batch_size=64, group_size=4,
+                       max_concurrency=128) as m:
+        batch = await m.generate_batch(0)
+        stats = await m.worker_stats()
+    assert len(batch.samples) == 256 and len(batch.group_ids) == 64
+    assert all(w["episodes"] > 0 for w in stats)  # both workers played
+    policy = CalculatorPolicy(tokenizer_dir)
+    for traj, s in zip(batch.trajectories, batch.samples):
+        assert traj.stop_reason is StopReason.TERMINATED and s.group_id == traj.group_id
+        # the loss mask covers exactly the tokens the scripted policy sampled, turn by turn,
+        # replayed here from the same prefix with the same per-request seed
+        seed = int(traj.metrics["seed"])
+        start = s.prompt_len
+        for k, end in enumerate(s.turn_ends):
+            mask = s.loss_mask_T[start:end]
+            first = start + mask.index(1)
+            assert all(mask[first - start:]) and not any(mask[: first - start])
+            expected = policy(s.token_ids_T[:first], random.Random(seed + k))
+            assert list(s.token_ids_T[first:end]) == expected
+            start = end
+        assert not any(s.loss_mask_T[s.turn_ends[-1]:])
+        for i, m in enumerate(s.loss_mask_T):
+            if m:  # logprobs are the engine's, for that token in that context
+                assert s.logprobs_T[i] == scripted_logprob(s.token_ids_T[i - 1], s.token_ids_T[i])
+            else:
+                assert s.logprobs_T[i] == 0.0 and s.versions_T[i] == -1
+    check_ledger(batch.metrics)
+    assert batch.metrics["groups/kept"] == 64 and batch.metrics["episodes/failed"] == 0
+
+
+async def test_flaky_env_failures_are_recorded_and_counted(ray_pool, tokenizer_dir):
+    rows = calc_rows(300, env_id=FLAKY_ENTRY)
+    wc = worker_config(tokenizer_dir, env_kwargs={FLAKY_ENTRY: {"fail_rate": 0.1}})
+    async with manager(ray_pool, tokenizer_dir, rows, wc=wc, batch_size=32, group_size=4,
+                       min_group_size=2) as m:
+        batch = await m.generate_batch(0)
+    metrics = batch.metrics
+    assert len(batch.group_ids) == 32
+    assert batch.failed and all(t.error and "flaky env failed" in t.error for t in batch.failed)
+    assert all(t.stop_reason is StopReason.ERROR for t in batch.failed)
+    assert not any(t.failed for t in batch.trajectories)  # failures never reach training
+    finished = metrics["episodes/finished"]
+    groups_done = metrics["groups/kept"] + metrics.get("groups/failed", 0) + metrics.get(
+        "groups/filtered", 0)
+    assert finished == 4 * groups_done  # every episode of every finished group is accounted
+    assert metrics["episodes/failed"] == len(batch.failed)
+    assert sum(v for k, v in metrics.items() if k.startswith("stop_reason/")) == finished
+    assert metrics["stop_reason/error"] == len(batch.failed)
+    assert 0.05 < metrics["episodes/failure_rate"] < 0.4  # ~10% per step, two steps an episode
+    check_ledger(metrics)
+
+
+async def test_failure_rate_threshold_raises(ray_pool, tokenizer_dir):
+    rows = calc_rows(100, env_id=FLAKY_ENTRY)
+    wc = worker_config(tokenizer_dir, env_kwargs={FLAKY_ENTRY: {"fail_rate": 0.9}})
+    async with manager(ray_pool, tokenizer_dir, rows, wc=wc, batch_size=8, group_size=4,
+                       max_failure_rate=0.2) as m:
+        with pytest.raises(RolloutError, match="max_failure_rate") as err:
+            await m.generate_batch(0)
+    assert "flaky env failed" in str(err.value)
+
+
+async def test_dynamic_sampling_fills_batch_with_varied_groups(ray_pool, tokenizer_dir):
+    async with manager(ray_pool, tokenizer_dir, calc_rows(300), batch_size=32, group_size=4,
+                       filters=("nonzero_variance",), over_sampling=1.5) as m:
+        batch = await m.generate_batch(0)
+        second = await m.generate_batch(1)
+    for b in (batch, second):
+        assert len(b.group_ids) == 32
+        by_group: dict[str, set[float]] = {}
+        for s in b.samples:
+            by_group.setdefault(s.group_id, set()).add(s.reward)
+        assert all(len(rewards) > 1 for rewards in by_group.values())
+        check_ledger(b.metrics)
+    filtered = batch.metrics["groups/filtered/nonzero_variance"] + second.metrics.get(
+        "groups/filtered/nonzero_variance", 0)
+    assert filtered > 0  # ~1/8 of groups are all-right or all-wrong at p=0.5
+
+
+async def test_dynamic_sampling_gives_up_at_the_draw_cap(ray_pool, tokenizer_dir):
+    wc = worker_config(tokenizer_dir, p_correct=0.0)  # every group is all-wrong
+    async with manager(ray_pool, tokenizer_dir, calc_rows(100), wc=wc, batch_size=4,
+                       group_size=2, filters=("nonzero_variance",), max_draw_factor=3) as m:
+        with pytest.raises(RolloutError, match="no group could be kept"):
+            await m.generate_batch(0)
+        assert m._step.counters["groups/drawn"] == 12  # the cap: 4 x 3 draws, no more
+
+
+async def test_partial_rollout_resumes_parked_groups_from_their_tokens(ray_pool, tokenizer_dir):
+    wc = worker_config(tokenizer_dir, latency_s=0.5)
+    async with manager(ray_pool, tokenizer_dir, calc_rows(50), wc=wc, batch_size=4, group_size=2,
+                       over_sampling=3.0, max_staleness=1) as m:
+        first = await m.generate_batch(0)  # sync mode: over-sampled groups are parked
+        assert first.metrics["groups/parked"] > 0 and first.metrics["episodes/parked"] > 0
+        parked = first.metrics["groups/in_flight"]
+        assert parked > 0
+        await m.update_weights()  # v1: parked groups go on from their tokens
+        second = await m.generate_batch(1)
+    assert second.metrics["episodes/resumed"] > 0
+    mixed = [s for s in second.samples
+             if {v for v, k in zip(s.versions_T, s.loss_mask_T) if k} == {0, 1}]
+    assert mixed, "some resumed sample was sampled partly by v0 and partly by v1"
+    policy = CalculatorPolicy(tokenizer_dir)
+    for s in mixed:  # and its tokens are what one uninterrupted generation would have given
+        assert s.stop_reason is StopReason.TERMINATED
+        assert all(s.logprobs_T[i] == scripted_logprob(s.token_ids_T[i - 1], s.token_ids_T[i])
+                   for i in range(1, s.num_tokens) if s.loss_mask_T[i])
+        turn = [i for i in range(s.prompt_len, s.turn_ends[0]) if s.loss_mask_T[i]]
+        assert [s.token_ids_T[i] for i in turn] == policy(s.token_ids_T[: turn[0]],
+                                                         random.Random(0))
+    assert max(second.version - s.min_version for s in second.samples) <= 1
+    check_ledger(second.metrics)
+
+
+@pytest.mark.parametrize("bound", [0, 1])
+async def test_async_mode_respects_the_staleness_bound(ray_pool, tokenizer_dir, bound):
+    wc = worker_config(tokenizer_dir, latency_s=0.05)
+    stale_events = 0
+    async with manager(ray_pool, tokenizer_dir, calc_rows(400), wc=wc, batch_size=8,
+                       group_size=2, mode="async", max_staleness=bound,
+                       over_sampling=2.0) as m:
+        for step in range(4):
+            batch = await m.generate_batch(step)
+            assert batch.version == m.version == step
+            lag = [batch.version - s.min_version for s in batch.samples]
+            assert max(lag) <= bound, (step, lag)
+            stale_events += batch.metrics.get("groups/stale_requeued", 0)
+            await asyncio.sleep(0.3)  # "training": batch k+1 is being generated meanwhile
+            await m.update_weights()
+            check_ledger(batch.metrics)
+    if bound == 0:
+        assert stale_events > 0  # the prefetched groups were generated one version behind
+
+
+async def test_checkpoint_restores_position_and_pending_tasks(ray_pool, tokenizer_dir):
+    rows = calc_rows(100)
+    async with manager(ray_pool, tokenizer_dir, rows, batch_size=4, group_size=2,
+                       over_sampling=2.0) as m:
+        await m.generate_batch(0)
+        state = m.state_dict()
+        pending = {p["task_id"] for p in state["pending"]}
+        assert pending  # the over-sampled groups in flight when the batch was handed off
+    async with manager(ray_pool, tokenizer_dir, rows, batch_size=len(pending) + 4,
+                       group_size=2) as resumed:
+        resumed.load_state_dict(state)
+        batch = await resumed.generate_batch(1)
+    got = {t.task_id for t in batch.trajectories}
+    assert pending <= got
+    check_ledger(batch.metrics)

@@ -1,0 +1,36 @@
+"""``palaestra sandbox doctor`` and ``palaestra sandbox run`` through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "palaestra.cli", "sandbox", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_doctor_reports_the_isolation_in_force() -> None:
+    out = _cli("doctor", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    local = report["local"]
+    assert local["ok"] and local["network"].startswith("blocked")
+    assert local["write_outside"].startswith("blocked") and local["host_env_visible"] is False
+    assert report["probe"]["network_isolation"] in ("bwrap", "unshare")
+    text = _cli("doctor")
+    assert text.returncode == 0 and "layers in force" in text.stdout
+    assert "local sandbox live check: OK" in text.stdout
+
+
+def test_run_a_file(tmp_path: Path) -> None:
+    prog = tmp_path / "prog.py"
+    prog.write_text("import sys\nprint('hello', sys.stdin.read())\nsys.exit(4)\n")
+    data = tmp_path / "in.txt"
+    data.write_text("world")
+    out = _cli("run", str(prog), "--stdin", str(data))
+    assert out.returncode == 4
+    assert out.stdout == "hello world\n" and "exit 4" in out.stderr

@@ -1,0 +1,190 @@
+"""Megatron backend on a GPU: logprobs vs HF, training, weight sync, checkpoints, MoE.
+
+Run with the device tool (needs CUDA and megatron-core); skipped elsewhere. Measured numbers are
+printed (``-s``) and, with ``PALAESTRA_GPU_REPORT=dir``, written to ``dir/megatron_gpu.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+REPORT: dict[str, Any] = {}
+
+QWEN3_SMALL = dict(  # Qwen3-0.6B's layer shapes and vocabulary, 4 layers
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+    max_position_embeddings=8192, tie_word_embeddings=True, initializer_range=0.05,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _parallel():
+    pytest.importorskip("megatron.core")
+    from palaestra.trainers.megatron.parallel import ParallelConfig, init_parallel
+
+    init_parallel(ParallelConfig())
+    yield
+    report = os.environ.get("PALAESTRA_GPU_REPORT")
+    if report:
+        os.makedirs(report, exist_ok=True)
+        with open(os.path.join(report, "megatron_gpu.json"), "w") as f:
+            json.dump(REPORT, f, indent=1)
+
+
+def _hf(family: str, dtype: torch.dtype, seed: int = 0, **cfg: Any) -> Any:
+    import transformers
+
+    cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config,
+           "llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[family]
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(cls(**cfg),
+                                                              attn_implementation="sdpa")
+    return model.to(dtype).eval()
+
+
+def _batch(lengths: list[int], vocab: int, seed: int = 0) -> Any:
+    from palaestra.trainers.batching import TrainBatch
+
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, vocab, (n,), generator=g) for n in lengths]
+    masks = [torch.cat([torch.zeros(1), torch.ones(n - 1)]) for n in lengths]
+    return TrainBatch(token_ids=seqs, loss_mask=masks, advantages=[m * 0.3 for m in masks])
+
+
+@torch.no_grad()
+def _hf_logprobs(model: Any, batch: Any) -> list[torch.Tensor]:
+    out = []
+    for ids in batch.token_ids:
+        logits = model(ids[None].cuda()).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[1:, None].cuda())[:, 0]
+        out.append(lp.cpu())
+    return out
+
+
+def _max_diff(ours: tuple[torch.Tensor, ...], ref: list[torch.Tensor]) -> tuple[float, float]:
+    diffs = torch.cat([(a[1:] - b).abs() for a, b in zip(ours, ref)])
+    return float(diffs.max()), float(diffs.mean())
+
+
+def _backend(model: Any, **cfg: Any) -> Any:
+    from palaestra.trainers.megatron.backend import MegatronBackend
+    from palaestra.trainers.megatron.config import MegatronBackendConfig
+
+    return MegatronBackend(model.config, MegatronBackendConfig(**cfg), hf_state_dict=model.state_dict())
+
+
+def test_attention_kernels_on_gpu():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from palaestra.trainers.megatron.attention_core import sdpa_bshd, sdpa_thd
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [700, 1, 2048, 300]
+    t = sum(lengths)
+    q = torch.randn(t, 16, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(t, 8, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    varlen = sdpa_thd(q, k, v, cu, max(lengths), use_varlen=True)
+    loop = sdpa_thd(q, k, v, cu, max(lengths), use_varlen=False)
+    diff = float((varlen.float() - loop.float()).abs().max())
+    REPORT["varlen_vs_loop_max_abs_diff_bf16"] = diff
+    assert diff < 2e-2
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):  # GQA must run on the flash kernel
+        out = sdpa_bshd(q[:2048, None], k[:2048, None], v[:2048, None])
+    assert out.shape == (2048, 1, 16 * 128)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama"])
+def test_logprobs_match_hf_in_float32(family):
+    cfg = dict(QWEN3_SMALL, num_hidden_layers=2, vocab_size=32000, tie_word_embeddings=False)
+    if family == "llama":
+        cfg.pop("head_dim")
+    model = _hf(family, torch.float32, **cfg)
+    batch = _batch([257, 1000, 31], cfg["vocab_size"])
+    backend = _backend(model, dtype="float32")
+    max_diff, _ = _max_diff(backend.forward_logprobs(batch), _hf_logprobs(model, batch))
+    REPORT[f"{family}_fp32_logprob_max_abs_diff"] = max_diff
+    print(f"{family} fp32 logprob max |diff| = {max_diff:.3g}")
+    assert max_diff < 2e-3
+
+
+def test_qwen3_bf16_logprobs_train_sync_and_checkpoint(tmp_path):
+    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.megatron.weight_sync import module_copier
+
+    model = _hf("qwen3", torch.bfloat16, **QWEN3_SMALL)
+    batch = _batch([300, 1000, 77, 2048], QWEN3_SMALL["vocab_size"])
+    backend = _backend(model, dtype="bfloat16", lr=3e-4, max_tokens_per_micro_batch=2048)
+    max_diff, mean_diff = _max_diff(backend.forward_logprobs(batch), _hf_logprobs(model, batch))
+    REPORT["qwen3_bf16_logprob_diff_at_init"] = {"max_abs": max_diff, "mean_abs": mean_diff}
+    print(f"qwen3 bf16 logprobs at init: max |diff| {max_diff:.3g}, mean {mean_diff:.3g}")
+    assert mean_diff < 0.02 and max_diff < 0.5
+
+    sft = LossConfig(preset="sft")
+    losses = [backend.train_step(batch, sft)["loss"] for _ in range(4)]
+    REPORT["qwen3_sft_losses"] = losses
+    assert losses[-1] < losses[0] - 0.05 and losses == sorted(losses, reverse=True), losses
+    rl = backend.train_step(batch.replace(old_logprobs=backend.forward_logprobs(batch)),
+                            LossConfig(preset="grpo"))
+    assert abs(rl["actor/ratio"] - 1.0) < 1e-2 and rl["update_ok"] == 1.0
+
+    stats = backend.sync_weights(module_copier(model), bucket_bytes=256 << 20)
+    REPORT["qwen3_small_sync"] = {"seconds": stats.seconds, "bytes": stats.num_bytes,
+                                  "buckets": stats.num_buckets}
+    ours = backend.forward_logprobs(batch)
+    max_diff, mean_diff = _max_diff(ours, _hf_logprobs(model, batch))
+    REPORT["qwen3_bf16_logprob_diff_after_training_and_sync"] = {"max_abs": max_diff,
+                                                                 "mean_abs": mean_diff}
+    print(f"after 5 steps + sync: max |diff| {max_diff:.3g}, mean {mean_diff:.3g}")
+    assert mean_diff < 0.05 and max_diff < 1.0
+
+    backend.save(tmp_path / "ckpt")
+    after_save = [backend.train_step(batch, sft)["loss"] for _ in range(2)]
+    backend.load(tmp_path / "ckpt")
+    after_load = [backend.train_step(batch, sft)["loss"] for _ in range(2)]
+    REPORT["resume_losses"] = {"after_save": after_save, "after_load": after_load}
+    assert after_load == pytest.approx(after_save, rel=1e-3, abs=1e-3)
+
+    backend.export_hf(tmp_path / "hf")
+    import transformers
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf",
+                                                                 dtype=torch.bfloat16)
+    synced = dict(backend.state_dict_for_engines())
+    for name, p in reloaded.state_dict().items():
+        if name == "lm_head.weight":
+            name = "model.embed_tokens.weight"  # tied
+        assert torch.equal(p.cuda(), synced[name].to(p.dtype)), name
+
+
+def test_qwen3_moe_logprobs_and_train_step():
+    from palaestra.trainers.algorithms import LossConfig
+
+    cfg = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+               num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+               mlp_only_layers=[], max_position_embeddings=4096, initializer_range=0.05)
+    model = _hf("qwen3_moe", torch.float32, **cfg)
+    batch = _batch([129, 400, 64], cfg["vocab_size"], seed=1)
+    backend = _backend(model, dtype="float32", lr=1e-3)
+    max_diff, _ = _max_diff(backend.forward_logprobs(batch), _hf_logprobs(model, batch))
+    REPORT["qwen3_moe_fp32_logprob_max_abs_diff"] = max_diff
+    print(f"qwen3-moe fp32 logprob max |diff| = {max_diff:.3g}")
+    assert max_diff < 2e-3
+    losses = [backend.train_step(batch, LossConfig(preset="sft"))["loss"] for _ in range(3)]
+    REPORT["qwen3_moe_sft_losses"] = losses
+    assert losses[-1] < losses[0]
+    names = {n for n, _ in backend.state_dict_for_engines()}
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names

@@ -1,0 +1,10 @@
+"""Trainers: RL/SFT/DPO algorithms, training backends, batching and the training loops.
+
+Subpackages are imported on demand and this module imports nothing heavy:
+
+- ``palaestra.trainers.algorithms``: advantages, policy/value/KL/SFT/DPO losses (pure torch
+  functions) and ``LossConfig`` (pydantic, torch-free).
+- ``palaestra.trainers.batching``: ``TrainBatch`` and token-balanced, packed micro-batches.
+- ``palaestra.trainers.torch_backend``: ``TorchBackend`` for Hugging Face causal LMs (CPU, CUDA,
+  FSDP2).
+"""

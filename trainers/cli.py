@@ -1,0 +1,63 @@
+"""``palaestra train CONFIG [--section.key value ...]``: validate the config, then train.
+
+The config is parsed and validated (every problem at once) before torch is imported;
+``--dry-run`` stops there and prints the resolved config and the placement plan;
+``--help-config`` lists every field with its type, default and help text.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+#: unknown ``--section.key value`` flags reach `run` as ``args.overrides``
+ACCEPTS_OVERRIDES = True
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", nargs="?", help="TOML config file (see configs/)")
+    parser.add_argument("--out", help="run directory (overrides `out` in the config)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="validate the config, print it and the placement plan, start nothing")
+    parser.add_argument("--help-config", action="store_true",
+                        help="list every config field with its help text")
+    parser.add_argument("--no-resume", action="store_true",
+                        help="start over even if the run directory has checkpoints")
+    parser.epilog = "Any config field can be overridden: --rollout.group_size 8 --trainer.steps 5"
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from palaestra.config import describe_fields, load_config
+    from palaestra.errors import ConfigError
+    from palaestra.trainers.config import TrainConfig
+
+    if args.help_config:
+        print("\n".join(describe_fields(TrainConfig)))
+        return 0
+    if not args.config:
+        print("palaestra train: give a config file, e.g. configs/quickstart.toml", file=sys.stderr)
+        return 2
+    overrides = list(getattr(args, "overrides", []))
+    if args.out:
+        overrides += ["--out", args.out]
+    if args.no_resume:
+        overrides += ["--checkpoint.resume", "false"]
+    try:
+        cfg = load_config(TrainConfig, args.config, overrides)
+    except ConfigError as exc:
+        print(f"palaestra train: {exc}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        from palaestra.trainers.dry_run import describe_plan
+
+        print(describe_plan(cfg))
+        return 0
+    from palaestra.trainers.loop import train
+
+    result = train(cfg)
+    if result:
+        print("held-out success rate by stage: "
+              + ", ".join(f"{k}={v:.3f}" for k, v in result.items()))
+    print(f"run directory: {cfg.out}")
+    return 0

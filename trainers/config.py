@@ -1,0 +1,220 @@
+"""``TrainConfig``: the typed config tree of ``palaestra train`` (TOML + dotted overrides).
+
+Torch-free: the command validates the whole file (every problem at once) before importing torch.
+The sections map onto the builders of the loop: ``model`` (checkpoint or a tiny model built
+locally), ``env``/``data`` (tasks), ``agent`` (renderer family), ``rollout`` (groups, sampling,
+workers, sync/async), ``engine`` (embedded or SGLang servers), ``warmup`` (SFT warm start on
+demonstrations), ``trainer`` (backend, optimiser, loss), ``eval``, ``checkpoint``, ``logging``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from palaestra.config import Section
+from palaestra.trainers.algorithms.config import LossConfig
+from palaestra.trainers.torch_backend.config import TorchBackendConfig
+
+
+class ModelSection(Section):
+    path: str = "{out}/model"
+    """Hugging Face checkpoint directory of the policy (``{out}`` is the run directory)."""
+    init_size: str | None = None
+    """If set and ``path`` holds no model, build a local Qwen3 model of this size there
+    (``palaestra init-model``: micro, tiny, small, 10m)."""
+    init_seed: int = 0
+    """Seed of the locally built model and tokenizer."""
+
+
+class EnvSection(Section):
+    id: str = "palaestra/Calculator-v0"
+    """Environment id (``palaestra/...`` or ``your.module:Your-v0``)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the env constructor."""
+
+
+class DataSection(Section):
+    path: str | None = None
+    """Task rows (.jsonl/.json/.parquet/datasets folder); None: draw tasks from the env itself."""
+    num_tasks: int = 4096
+    """Tasks drawn from the env when ``path`` is None."""
+    seed: int = 0
+    """Seed of shuffling (and of the tasks drawn from the env)."""
+    shuffle: bool = True
+    """Shuffle the rows every epoch."""
+    epochs: int | None = None
+    """Passes over the data (None: endless, the run stops after ``trainer.steps``)."""
+
+
+class AgentSection(Section):
+    family: str = "qwen"
+    """Renderer and tool-call parser family: qwen, llama3, search_r1, python."""
+    max_context: int = 2048
+    """Context limit of an episode in tokens (past it the episode ends as truncated)."""
+    tools_in_prompt: bool = True
+    """Render the env's tool schemas into the system prompt (False: the env's own prompt
+    describes them, which keeps prompts short for tiny models)."""
+    drift_rate: float = 0.05
+    """Fraction of episodes checked for token drift against a full re-render."""
+    strict_drift: bool = False
+    """Raise on token drift instead of counting it."""
+
+
+class RolloutSection(Section):
+    batch_size: int = 16
+    """Groups (prompts) per training step."""
+    group_size: int = 8
+    """Episodes per prompt."""
+    max_new_tokens: int = 256
+    """Token budget of one assistant turn."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer divides logits by it to match)."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    max_turns: int | None = None
+    """Cap on assistant turns per episode (None: the env's own limit)."""
+    cluster: Literal["ray", "local"] = "ray"
+    """Rollout workers as Ray actors, or in-process asyncio workers ("local")."""
+    ray_address: str | None = None
+    """Address of an existing Ray cluster (None: start a local one)."""
+    num_workers: int = 2
+    """Rollout workers."""
+    max_concurrency: int = 256
+    """Episodes in flight over all workers."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: rollout then train; async: rollout of step k+1 overlaps training of step k."""
+    max_staleness: int = 1
+    """Oldest policy version a trained token may have, counted back from the newest."""
+    filters: list[str] = Field(default_factory=list)
+    """Group filters, e.g. ["nonzero_variance"] (dynamic sampling)."""
+    max_failure_rate: float = 0.5
+    """Failed episodes above this fraction fail the step."""
+    over_sampling: float = 1.0
+    """Groups started per missing group (>1 when filters drop many groups)."""
+
+
+class EngineSection(Section):
+    kind: Literal["local", "sglang"] = "local"
+    """Embedded engine in the trainer process, or SGLang servers."""
+    urls: list[str] = Field(default_factory=list)
+    """SGLang server URLs to attach to (kind = "sglang")."""
+    device: str | None = None
+    """Device of the embedded engine (None: CUDA if available, else CPU)."""
+    max_running: int = 256
+    """Requests decoded together by the embedded engine."""
+
+
+class WarmupSection(Section):
+    steps: int = 0
+    """SFT steps before RL (0: no warm start)."""
+    batch_size: int = 32
+    """Demonstrations per SFT step."""
+    lr: float = 3e-3
+    """SFT learning rate."""
+    demonstrations: str | None = None
+    """A JSONL file of chat transcripts, or ``module:function(n, seed=..., env_kwargs=...)``
+    returning them (e.g. ``palaestra.envs.calculator:demonstrations``)."""
+    num_demonstrations: int = 4096
+    """Transcripts generated by a demonstration function."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra keyword arguments of the demonstration function."""
+
+
+class OfflineSection(Section):
+    dataset: str | None = None
+    """SFT: JSONL of {"messages": [...], "tools": [...]}; DPO: JSONL of
+    {"prompt": [...], "chosen": [...], "rejected": [...]} (message lists)."""
+    epochs: int = 1
+    """Passes over the offline dataset."""
+    batch_size: int = 16
+    """Examples per step."""
+
+
+class TrainerSection(Section):
+    backend: Literal["torch", "megatron"] = "torch"
+    """Training backend."""
+    steps: int = 20
+    """Training steps (RL: rollout batches; SFT/DPO: optimizer steps)."""
+    updates_per_batch: int = 1
+    """Optimizer steps per rollout batch (more than one makes PPO clipping matter)."""
+    torch: TorchBackendConfig = Field(default_factory=TorchBackendConfig)
+    """PyTorch backend settings (device, dtype, lr, micro-batching, ...)."""
+    loss: LossConfig = Field(default_factory=lambda: LossConfig(preset="grpo"))
+    """The objective (preset and coefficients)."""
+
+
+class EvalSection(Section):
+    num_tasks: int = 100
+    """Held-out tasks (fixed set) evaluated at each stage."""
+    seed: int = 10_000
+    """Seed of the held-out tasks (disjoint from training draws)."""
+    temperature: float = 1.0
+    """Sampling temperature of evaluation."""
+    interval: int = 0
+    """Evaluate every N RL steps as well (0: only at the stages init/sft/rl)."""
+
+
+class CheckpointSection(Section):
+    interval: int = 5
+    """Save every N steps (and at the end)."""
+    keep_last: int = 2
+    """Checkpoints kept on disk."""
+    resume: bool = True
+    """Resume from the newest checkpoint in the run directory."""
+
+
+class LoggingSection(Section):
+    tensorboard: bool = True
+    """Write TensorBoard event files under <out>/tb (when tensorboard is installed)."""
+    wandb_project: str | None = None
+    """Also log to this W&B project (needs wandb and a login)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+class TrainConfig(Section):
+    """The whole run."""
+
+    algorithm: Literal["rl", "sft", "dpo"] = "rl"
+    """RL from env rewards, or offline SFT / DPO on a dataset."""
+    out: str = "runs/train"
+    """Run directory (config.json, metrics.jsonl, eval.jsonl, checkpoints/, curves.png)."""
+    seed: int = 0
+    """Global seed."""
+    model: ModelSection = Field(default_factory=ModelSection)
+    env: EnvSection = Field(default_factory=EnvSection)
+    data: DataSection = Field(default_factory=DataSection)
+    agent: AgentSection = Field(default_factory=AgentSection)
+    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    engine: EngineSection = Field(default_factory=EngineSection)
+    warmup: WarmupSection = Field(default_factory=WarmupSection)
+    offline: OfflineSection = Field(default_factory=OfflineSection)
+    trainer: TrainerSection = Field(default_factory=TrainerSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    logging: LoggingSection = Field(default_factory=LoggingSection)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        problems = []
+        if self.algorithm in ("sft", "dpo") and not self.offline.dataset:
+            problems.append(f"algorithm = {self.algorithm!r} needs offline.dataset")
+        if self.warmup.steps > 0 and not self.warmup.demonstrations:
+            problems.append("warmup.steps > 0 needs warmup.demonstrations")
+        if self.engine.kind == "sglang" and not self.engine.urls:
+            problems.append("engine.kind = 'sglang' needs engine.urls (attach to running servers)")
+        if self.trainer.backend == "megatron":
+            problems.append(
+                "trainer.backend = 'megatron' runs on CUDA machines only (see docs/megatron.md)"
+            ) if not _cuda_possible() else None
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+def _cuda_possible() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("megatron") is not None

@@ -1,0 +1,124 @@
+"""Causal attention on Megatron's tensor layouts through torch's fused kernels (no megatron import).
+
+Megatron hands core attention ``[s, b, heads, dim]`` tensors, or ``[t, heads, dim]`` for packed
+sequences ("thd") with cumulative sequence lengths. These functions run
+`torch.nn.functional.scaled_dot_product_attention` (flash / cuDNN / memory-efficient kernels, so
+memory stays linear in sequence length) and, for packed sequences on CUDA, torch's variable-length
+flash attention; elsewhere they fall back to one SDPA call per packed sequence. Grouped-query
+attention is passed through to the kernels rather than materialising repeated keys.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+
+def sdpa_bshd(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Causal attention: q ``[s, b, hq, d]``, k/v ``[s, b, hkv, d]`` -> ``[s, b, hq * d]``."""
+    import torch.nn.functional as F
+
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, h, s, d]
+    out = F.scaled_dot_product_attention(
+        q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    s, b = query.shape[0], query.shape[1]
+    return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+
+@functools.cache
+def _varlen_kwargs() -> dict[str, Any] | None:
+    """Keyword arguments for a causal, GQA `varlen_attn` call in this torch, or None if absent."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, Any] = {}
+    if "window_size" in params:  # torch >= 2.11
+        kwargs["window_size"] = (-1, 0)
+    elif "is_causal" in params:  # torch 2.10
+        kwargs["is_causal"] = True
+    else:
+        return None
+    kwargs["_gqa"] = "enable_gqa" in params
+    return kwargs
+
+
+def _varlen(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+    max_seqlen: int, scale: float | None, kwargs: dict[str, Any],
+) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    call = {k: v for k, v in kwargs.items() if k != "_gqa"}
+    # flash kernels want dense rows; Megatron's q/k/v are strided views of the fused projection
+    query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        if kwargs["_gqa"]:
+            call["enable_gqa"] = True
+        else:
+            key = key.repeat_interleave(groups, dim=1)
+            value = value.repeat_interleave(groups, dim=1)
+    return varlen_attn(
+        query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **call
+    )
+
+
+def sdpa_thd(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    *,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    use_varlen: bool | None = None,
+) -> torch.Tensor:
+    """Causal attention within each packed sequence: q ``[t, hq, d]`` -> ``[t, hq * d]``.
+
+    ``cu_seqlens`` (int32, ``[n + 1]``) delimits the sequences; tokens never attend across them.
+    ``use_varlen`` forces (True) or forbids (False) the variable-length flash kernel; the default
+    uses it on CUDA without dropout when this torch has it.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    kwargs = _varlen_kwargs()
+    if use_varlen is None:
+        use_varlen = query.is_cuda and dropout_p == 0.0 and kwargs is not None
+    if use_varlen:
+        if kwargs is None:
+            raise RuntimeError("this torch has no torch.nn.attention.varlen.varlen_attn")
+        if max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        out = _varlen(query, key, value, cu_seqlens.to(torch.int32), int(max_seqlen), scale, kwargs)
+        return out.reshape(query.shape[0], -1)
+    bounds = cu_seqlens.tolist()
+    gqa = query.shape[1] != key.shape[1]
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [h, s, d]
+        outs.append(
+            F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=gqa
+            ).transpose(0, 1)
+        )
+    out = torch.cat(outs, dim=0) if outs else query.new_zeros(query.shape)
+    return out.reshape(query.shape[0], -1)

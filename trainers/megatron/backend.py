@@ -1,0 +1,403 @@
+"""`MegatronBackend`: the megatron-core training backend behind the trainers' backend interface.
+
+Same interface as the PyTorch backend: ``forward_logprobs(batch)``, ``train_step(batch,
+loss_cfg)``, ``state_dict_for_engines()``, ``save/load`` and ``export_hf``. A model is built from
+an HF config (Qwen2, Qwen3, Llama, Qwen3-MoE), optionally loaded from HF weights, wrapped in
+megatron's DDP with the (distributed) mixed-precision optimizer, and trained with megatron's
+forward-backward schedule (so pipeline parallelism works) on packed micro-batches cut by token
+count. Losses are the shared pure functions (see `losses`).
+
+Launch: one process per GPU (``torchrun --nproc-per-node N``); a single GPU needs no launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from palaestra.errors import CheckpointError, ConfigError
+from palaestra.trainers.megatron import losses
+from palaestra.trainers.megatron.arch import ModelArch, arch_from_hf_config
+from palaestra.trainers.megatron.config import MegatronBackendConfig
+from palaestra.trainers.megatron.logprobs import shifted_token_logprobs
+from palaestra.trainers.megatron.parallel import ParallelConfig, init_parallel
+from palaestra.trainers.megatron.weight_sync import Bucket, SyncStats, iter_hf_buckets, sync_weights
+from palaestra.trainers.megatron.weights import iter_hf_weights, load_hf_weights, unwrap
+
+if TYPE_CHECKING:
+    import torch
+
+    from palaestra.trainers.batching import MicroBatch, TrainBatch
+
+
+def read_hf_state_dict(model_path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """All tensors of an HF checkpoint directory (``*.safetensors``) on CPU."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files in {model_path}; is it an HF model dir?")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+class MegatronBackend:
+    """A megatron-core GPT model with optimizer, trained on `TrainBatch` es."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        cfg: MegatronBackendConfig | None = None,
+        *,
+        hf_state_dict: Mapping[str, torch.Tensor] | None = None,
+        model_path: str | os.PathLike[str] | None = None,
+    ) -> None:
+        import torch
+
+        from palaestra.trainers.megatron.model import (
+            build_gpt_model,
+            transformer_config,
+            transformer_engine_available,
+        )
+
+        self.cfg = cfg or MegatronBackendConfig()
+        self.hf_config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+        self.arch: ModelArch = arch_from_hf_config(self.hf_config)
+        c = self.cfg
+        self.parallel = ParallelConfig(tp=c.tp, pp=c.pp, ep=c.ep, expert_tp=c.expert_tp,
+                                       sequence_parallel=c.sequence_parallel)
+        te = transformer_engine_available()
+        if c.use_transformer_engine == "on" and not te:
+            raise ConfigError("use_transformer_engine='on' but transformer-engine is not installed")
+        self.use_te = te and c.use_transformer_engine != "off"
+        if c.sequence_parallel and not self.use_te:
+            raise ConfigError("sequence_parallel needs transformer-engine (megatron's torch RMSNorm "
+                              "does not support it); install it or set sequence_parallel=False")
+        if self.arch.moe is not None and c.tp > 1 and not c.sequence_parallel:
+            raise ConfigError("megatron-core trains MoE with tp > 1 only with sequence_parallel=True "
+                              "(which needs transformer-engine); use ep > 1 with tp=1 instead")
+        init_parallel(self.parallel, seed=c.seed)
+        if hf_state_dict is None and model_path is not None:
+            hf_state_dict = read_hf_state_dict(model_path)
+        dtype = torch.bfloat16 if c.dtype == "bfloat16" else torch.float32
+        self.device = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
+        self.mconfig = transformer_config(
+            self.arch, self.parallel, dtype=dtype,
+            use_cpu_initialization=self.device.type == "cpu",
+            perform_initialization=hf_state_dict is None, recompute=c.recompute,
+        )
+        model = build_gpt_model(self.arch, self.parallel, config=self.mconfig, use_te=self.use_te)
+        if hf_state_dict is not None:
+            load_hf_weights(model, hf_state_dict, self.arch, fused_norms=self.use_te)
+        self.model, self.optimizer = self._wrap(model)
+        self.step = 0
+
+    # construction --------------------------------------------------------------------------
+    def _wrap(self, model: Any) -> tuple[Any, Any]:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        c = self.cfg
+        ddp = DistributedDataParallel(
+            config=self.mconfig,
+            ddp_config=DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                use_distributed_optimizer=c.distributed_optimizer,
+            ),
+            module=model,
+        )
+        opt = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=c.lr, min_lr=c.lr * c.min_lr_ratio,
+                weight_decay=c.weight_decay, adam_beta1=c.adam_betas[0],
+                adam_beta2=c.adam_betas[1], adam_eps=c.adam_eps,
+                clip_grad=c.max_grad_norm or 0.0, bf16=self.mconfig.bf16,
+                params_dtype=self.mconfig.params_dtype,
+                use_distributed_optimizer=c.distributed_optimizer,
+            ),
+            [ddp],
+        )
+        self.mconfig.finalize_model_grads_func = finalize_model_grads
+        self.mconfig.no_sync_func = ddp.no_sync
+        return ddp, opt
+
+    # helpers -------------------------------------------------------------------------------
+    @property
+    def _dp(self) -> tuple[int, int]:
+        from megatron.core import parallel_state as ps
+
+        return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+
+    def _local_indices(self, batch: TrainBatch) -> list[int]:
+        from palaestra.trainers.batching import split_across_ranks
+
+        rank, size = self._dp
+        if size == 1:
+            return list(range(batch.num_sequences))
+        return split_across_ranks(batch.lengths, size, units=batch.units())[rank]
+
+    def _logprobs(self, logits: torch.Tensor, mb: MicroBatch, with_entropy: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        from megatron.core import parallel_state as ps
+
+        if self.cfg.logits_temperature != 1.0:
+            logits = logits / self.cfg.logits_temperature
+        tp = ps.get_tensor_model_parallel_world_size()
+        return shifted_token_logprobs(
+            logits, mb.input_ids, vocab_size=self.arch.vocab_size,
+            vocab_start=ps.get_tensor_model_parallel_rank() * logits.shape[-1],
+            tp_group=ps.get_tensor_model_parallel_group() if tp > 1 else None,
+            with_entropy=with_entropy,
+        )
+
+    def _forward(self, model: Any, mb: MicroBatch) -> torch.Tensor:
+        import torch
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        lengths = [n for _, _, n in mb.spans]
+        ids, pos = mb.input_ids, mb.position_ids
+        width = ids.shape[1]
+        # sequence parallelism splits the packed row over TP ranks: pad it with a dummy sequence
+        pad = (-width) % self.parallel.tp if self.parallel.sequence_parallel else 0
+        if pad:
+            ids = torch.cat([ids, ids.new_zeros(1, pad)], dim=1)
+            pos = torch.cat([pos, torch.arange(pad, device=pos.device)[None]], dim=1)
+            lengths = [*lengths, pad]
+        cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        packed = PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu.to(self.device), cu_seqlens_kv=cu.to(self.device),
+            max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),
+        )
+        out = model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=packed)
+        if pad and unwrap(model).post_process:
+            out = out[:, :width]
+        return out
+
+    def _run_schedule(
+        self, mbs: list[MicroBatch], loss_fn: Callable[[MicroBatch, torch.Tensor], Any],
+        forward_only: bool,
+    ) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def step_func(data_iterator: Iterator[MicroBatch], model: Any) -> Any:
+            mb = next(data_iterator).to(self.device)
+            return self._forward(model, mb), partial(loss_fn, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=step_func, data_iterator=iter(mbs), model=[self.model],
+            num_microbatches=len(mbs), seq_length=max(mb.input_ids.shape[1] for mb in mbs),
+            micro_batch_size=1, forward_only=forward_only,
+        )
+
+    # interface -----------------------------------------------------------------------------
+    def forward_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, ...]:
+        """Per-token logprobs of every sequence (1-D, aligned with the tokens, 0 at position 0).
+
+        Collective over the model- and data-parallel groups; every rank gets the whole batch.
+        """
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from palaestra.trainers.batching import make_micro_batches
+
+        local = self._local_indices(batch)
+        result: dict[int, torch.Tensor] = {}
+        if local:
+            mbs = make_micro_batches(batch, self.cfg.forward_max_tokens, pack=True, fields={},
+                                     subset=local)
+
+            def collect(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
+                logp, _ = self._logprobs(logits, mb, with_entropy=False)
+                per_seq = {i: t.float().cpu() for i, t in zip(mb.indices, mb.unpack(logp))}
+                return logits.sum() * 0.0, per_seq
+
+            self.model.eval()
+            with torch.no_grad():
+                for out in self._run_schedule(mbs, collect, forward_only=True):
+                    result.update(out)
+            self.model.train()
+        gathered: list[Any] = [result]
+        if dist.get_world_size() > 1:
+            # the last pipeline stage of each DP rank holds results; share them with everyone
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, result if ps.is_pipeline_last_stage() else {})
+        merged: dict[int, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part)
+        return tuple(merged[i] for i in range(batch.num_sequences))
+
+    def train_step(self, batch: TrainBatch, loss_cfg: Any) -> dict[str, float]:
+        """One optimizer step on ``batch`` under ``loss_cfg`` (an algorithms.LossConfig).
+
+        Returns the batch-level metrics (summed over micro-batches and data-parallel ranks) plus
+        ``grad_norm``, ``lr`` and ``update_ok``.
+        """
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from palaestra.trainers.batching import TOKEN_FIELDS, make_micro_batches
+        from palaestra.trainers.torch_backend.optim import lr_multiplier
+
+        fields = {n: getattr(batch, n) for n in TOKEN_FIELDS if getattr(batch, n) is not None}
+        fields[losses.WEIGHTS] = losses.batch_token_weights(batch, loss_cfg)
+        local = self._local_indices(batch)
+        mbs = make_micro_batches(batch, self.cfg.max_tokens_per_micro_batch, pack=True,
+                                 fields=fields, subset=local) if local else []
+        if not mbs:
+            raise ConfigError("this data-parallel rank got no sequences; use a bigger batch")
+        # the schedule divides each micro-batch loss by their number and DDP averages over DP;
+        # the shared losses are already normalised over the whole batch, so undo both.
+        scale = float(len(mbs) * self._dp[1])
+        with_entropy = losses.needs_entropy(loss_cfg)
+
+        def loss_fn(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            logp, entropy = self._logprobs(logits, mb, with_entropy)
+            loss, metrics = losses.micro_batch_loss(loss_cfg, mb, logp, entropy)
+            return loss * scale, {k: v.detach().float() for k, v in metrics.items()}
+
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.lr * lr_multiplier(self.step, self.cfg)  # type: ignore[arg-type]
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outs = self._run_schedule(mbs, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.step += 1
+        names = sorted({k for o in outs for k in o})
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            # only the last stage computed losses: take its metric names everywhere
+            all_names: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
+            dist.all_gather_object(all_names, names, group=ps.get_pipeline_model_parallel_group())
+            names = max(all_names, key=len)
+        zero = torch.zeros((), device=self.device)
+        sums = torch.stack([sum((o[k] for o in outs if k in o), zero) for k in names]) \
+            if names else torch.zeros(0, device=self.device)
+        if ps.get_data_parallel_world_size() > 1:
+            dist.all_reduce(sums, group=ps.get_data_parallel_group())
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(sums, group=ps.get_pipeline_model_parallel_group())
+        metrics = {k: float(v) for k, v in zip(names, sums.tolist())}
+        metrics.update(grad_norm=float(grad_norm or 0.0), update_ok=float(bool(ok)),
+                       lr=float(self.optimizer.param_groups[0]["lr"]))
+        return metrics
+
+    def state_dict_for_engines(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) pairs of this pipeline stage, streamed (collective over TP/EP)."""
+        return iter_hf_weights(self.model, self.arch)
+
+    def weight_buckets(self, bucket_bytes: int = 1 << 30) -> Iterator[Bucket]:
+        """`state_dict_for_engines` grouped in buckets of about ``bucket_bytes``."""
+        return iter_hf_buckets(self.model, self.arch, bucket_bytes=bucket_bytes)
+
+    def sync_weights(self, consumer: Callable[[Bucket], None], bucket_bytes: int = 1 << 30
+                     ) -> SyncStats:
+        """Push the weights to ``consumer`` bucket by bucket and time it (see weight_sync)."""
+        return sync_weights(self.model, self.arch, consumer, bucket_bytes=bucket_bytes)
+
+    # checkpoints ---------------------------------------------------------------------------
+    def _rank_dir(self, path: Path) -> Path:
+        from megatron.core import parallel_state as ps
+
+        return path / (f"mp_rank_{ps.get_tensor_model_parallel_rank():02d}"
+                       f"_{ps.get_pipeline_model_parallel_rank():03d}"
+                       f"_{ps.get_expert_model_parallel_rank():03d}")
+
+    def _inner_optimizers(self) -> list[Any]:
+        """The torch optimizers over this rank's (fp32 main) parameter shards."""
+        chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
+        return [o.optimizer for o in chained]
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Model, optimizer state, fp32 main weights and step; a directory per model rank.
+
+        The optimizer file is per data-parallel rank (the distributed optimizer shards it), so
+        `load` needs the same parallel layout.
+        """
+        import torch
+        from megatron.core import parallel_state as ps
+
+        root = Path(path)
+        rank_dir = self._rank_dir(root)
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        dp_rank = ps.get_data_parallel_rank()
+        if dp_rank == 0:
+            torch.save({"model": unwrap(self.model).state_dict(), "step": self.step},
+                       rank_dir / "model.pt")
+        inner = self._inner_optimizers()
+        torch.save({
+            "state": [o.state_dict() for o in inner],
+            "main": [[p.detach().cpu() for g in o.param_groups for p in g["params"]]
+                     for o in inner],
+        }, rank_dir / f"optim_dp{dp_rank:03d}.pt")
+        if dp_rank == 0 and ps.get_tensor_model_parallel_rank() == 0:
+            (root / "config.json").write_text(json.dumps(self.hf_config, indent=1, default=str))
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Restore what `save` wrote (same parallel layout)."""
+        import torch
+        from megatron.core import parallel_state as ps
+
+        rank_dir = self._rank_dir(Path(path))
+        model_file = rank_dir / "model.pt"
+        optim_file = rank_dir / f"optim_dp{ps.get_data_parallel_rank():03d}.pt"
+        for f in (model_file, optim_file):
+            if not f.exists():
+                raise CheckpointError(f"{f} is missing; was it saved with this parallel layout?")
+        state = torch.load(model_file, map_location="cpu", weights_only=False)
+        optim = torch.load(optim_file, map_location="cpu", weights_only=False)
+        inner = self._inner_optimizers()
+        if len(optim["state"]) != len(inner):
+            raise CheckpointError(f"{optim_file} holds {len(optim['state'])} optimizers, "
+                                  f"this run has {len(inner)}")
+        with torch.no_grad():
+            unwrap(self.model).load_state_dict(state["model"], strict=True)
+            for o, o_state, mains in zip(inner, optim["state"], optim["main"]):
+                params = [p for g in o.param_groups for p in g["params"]]
+                if [tuple(p.shape) for p in params] != [tuple(m.shape) for m in mains]:
+                    raise CheckpointError(f"{optim_file} was saved with another layout")
+                for p, m in zip(params, mains):
+                    p.copy_(m)
+                o.load_state_dict(o_state)
+        self.step = int(state["step"])
+
+    def export_hf(self, path: str | os.PathLike[str], *, shard_bytes: int = 4 << 30) -> None:
+        """Write an HF checkpoint (safetensors shards + index + config.json) of the current weights.
+
+        Collective; only global rank 0 writes. Pipeline parallelism: not yet (each stage holds
+        its own layers).
+        """
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from safetensors.torch import save_file
+
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            raise ConfigError("export_hf does not support pp > 1 yet; save() and convert offline")
+        out = Path(path)
+        writer = dist.get_rank() == 0
+        if writer:
+            out.mkdir(parents=True, exist_ok=True)
+        index: dict[str, str] = {}
+        for k, bucket in enumerate(iter_hf_buckets(self.model, self.arch, bucket_bytes=shard_bytes)):
+            if not writer:
+                continue
+            name = f"model-{k:05d}.safetensors"
+            save_file({n: t.detach().contiguous().cpu() for n, t in bucket}, str(out / name),
+                      metadata={"format": "pt"})
+            index.update({n: name for n, _ in bucket})
+        if writer:
+            (out / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {}, "weight_map": index}, indent=1))
+            (out / "config.json").write_text(json.dumps(self.hf_config, indent=1, default=str))

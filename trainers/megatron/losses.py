@@ -1,0 +1,64 @@
+"""Adapter from the shared pure losses (`palaestra.trainers.algorithms`) to Megatron micro-batches.
+
+The Megatron backend computes the same objective as the PyTorch backend: per-token aggregation
+weights are computed once over the whole batch (so micro-batching and data parallelism give the
+full-batch gradient), then each micro-batch's loss is ``objective.rl_loss`` or
+``objective.sft_loss_micro`` on its slice. This module is the only place that knows their
+signatures.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from palaestra.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from palaestra.trainers.batching import MicroBatch, TrainBatch
+
+WEIGHTS = "loss_weights"
+
+
+def batch_token_weights(batch: TrainBatch, loss_cfg: Any) -> tuple[torch.Tensor, ...]:
+    """Per-sequence 1-D aggregation weights of the whole batch (sum of w * loss = batch loss)."""
+    from palaestra.trainers.algorithms.aggregation import loss_token_weights
+    from palaestra.trainers.batching import unpad
+
+    weights = loss_token_weights(
+        batch.padded("loss_mask"), loss_cfg.loss_agg, group_index_B=batch.group_index(),
+        norm_len=loss_cfg.loss_agg_norm_len,
+    )
+    return unpad(weights, batch.lengths)
+
+
+def needs_entropy(loss_cfg: Any) -> bool:
+    return float(getattr(loss_cfg, "entropy_coef", 0.0)) > 0.0
+
+
+def micro_batch_loss(
+    loss_cfg: Any, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of one micro-batch (already weighted for the whole batch) and its metric sums."""
+    from palaestra.trainers.algorithms.objective import rl_loss, sft_loss_micro
+
+    f = mb.fields
+    weights = f[WEIGHTS]
+    if loss_cfg.objective == "sft":
+        return sft_loss_micro(logp=logp, weights=weights, entropy=entropy)
+    if loss_cfg.objective != "rl":
+        raise ConfigError(
+            f"objective {loss_cfg.objective!r} is not implemented by the Megatron backend "
+            "(rl, sft); use the torch backend for it"
+        )
+    if "advantages" not in f:
+        raise ConfigError(
+            "the batch has no advantages; run algorithms.compute_advantages(batch, cfg) first"
+        )
+    return rl_loss(
+        loss_cfg, logp=logp, weights=weights, loss_mask=f["loss_mask"],
+        advantages=f["advantages"], old_logp=f.get("old_logprobs"),
+        ref_logp=f.get("ref_logprobs"), rollout_logp=f.get("rollout_logprobs"),
+        entropy=entropy, seq_index=mb.seq_index,
+    )

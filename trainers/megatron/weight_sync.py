@@ -1,0 +1,133 @@
+"""Weight sync from a Megatron model to inference engines: HF-named buckets, timed.
+
+`iter_hf_buckets` groups the gathered HF tensors into buckets of about ``bucket_bytes`` so a
+consumer (an in-process engine, an NCCL broadcast, a disk writer) handles a bounded amount of
+memory at a time. `sync_weights` drives one sync and times it. `module_copier` is the colocated
+in-process consumer: it copies each tensor into the matching parameter of an HF module (also
+into transformers-5's fused expert tensors), with no allocation on the receiving side.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from palaestra.errors import EngineError
+from palaestra.trainers.megatron.arch import ModelArch
+from palaestra.trainers.megatron.weights import iter_hf_weights
+
+if TYPE_CHECKING:
+    import torch
+
+Bucket = list[tuple[str, "torch.Tensor"]]
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+@dataclass(frozen=True)
+class SyncStats:
+    """What one weight sync moved and how long it took (wall clock, device synchronised)."""
+
+    seconds: float
+    num_bytes: int
+    num_tensors: int
+    num_buckets: int
+
+    @property
+    def gbytes_per_s(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def bucketize(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[Bucket]:
+    """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (a bigger tensor alone)."""
+    bucket: Bucket = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def iter_hf_buckets(
+    model: Any, arch: ModelArch, *, bucket_bytes: int = 1 << 30, dtype: torch.dtype | None = None
+) -> Iterator[Bucket]:
+    """HF-named full tensors of this pipeline stage, in buckets (collective over TP/EP)."""
+    named = iter_hf_weights(model, arch)
+    if dtype is not None:
+        named = ((n, t.to(dtype)) for n, t in named)
+    return bucketize(named, bucket_bytes)
+
+
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def sync_weights(
+    model: Any,
+    arch: ModelArch,
+    consumer: Callable[[Bucket], None],
+    *,
+    bucket_bytes: int = 1 << 30,
+    dtype: torch.dtype | None = None,
+) -> SyncStats:
+    """Feed every HF-named bucket to ``consumer`` and time the whole sync."""
+    _synchronize()
+    start = time.perf_counter()
+    nbytes = tensors = buckets = 0
+    for bucket in iter_hf_buckets(model, arch, bucket_bytes=bucket_bytes, dtype=dtype):
+        consumer(bucket)
+        buckets += 1
+        tensors += len(bucket)
+        nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
+    _synchronize()
+    return SyncStats(time.perf_counter() - start, nbytes, tensors, buckets)
+
+
+def module_copier(module: Any) -> Callable[[Bucket], None]:
+    """Consumer that copies HF-named tensors in place into ``module``'s parameters.
+
+    Understands transformers-5 fused experts (``experts.gate_up_proj[j]`` / ``down_proj[j]``).
+    Raises EngineError for a name the module does not have.
+    """
+    import torch
+
+    params = dict(module.named_parameters())
+    params.update(dict(module.named_buffers()))
+
+    def target(name: str) -> torch.Tensor:
+        if name in params:
+            return params[name]
+        m = _EXPERT.match(name)
+        if m is not None:
+            base, j, kind = m.group(1), int(m.group(2)), m.group(3)
+            if kind == "down_proj" and f"{base}.down_proj" in params:
+                return params[f"{base}.down_proj"][j]
+            fused = params.get(f"{base}.gate_up_proj")
+            if fused is not None:
+                half = fused.shape[1] // 2
+                return fused[j, :half] if kind == "gate_proj" else fused[j, half:]
+        raise EngineError(f"the receiving module has no parameter for {name!r}")
+
+    def consume(bucket: Bucket) -> None:
+        with torch.no_grad():
+            for name, tensor in bucket:
+                dst = target(name)
+                if dst.shape != tensor.shape:
+                    raise EngineError(
+                        f"{name}: shape {tuple(tensor.shape)} != receiver {tuple(dst.shape)}"
+                    )
+                dst.copy_(tensor, non_blocking=True)
+
+    return consume

@@ -1,0 +1,479 @@
+"""``TorchBackend``: train any Hugging Face causal LM (or a value model) with the palaestra losses.
+
+Typical use from a training loop::
+
+    backend = TorchBackend(model_path, TorchBackendConfig(lr=1e-5, ref_model=True))
+    batch = TrainBatch.from_samples(samples)
+    batch = batch.replace(ref_logprobs=backend.forward_logprobs(batch, ref=True))
+    batch = compute_advantages(batch, loss_cfg)
+    metrics = backend.train_step(batch, loss_cfg)       # one optimizer step
+    engine.update_weights(backend.state_dict_for_engines())
+    backend.save(run_dir / "ckpt" / f"step_{backend.step}")
+
+One ``train_step`` is one optimizer step: the batch is cut into token-balanced micro-batches
+(packed rows by default), the loss weights of the configured aggregation are computed over the
+whole batch first, and gradients are accumulated, so the update does not depend on the
+micro-batch size. Under ``torchrun`` with several ranks the model is sharded with FSDP2 and
+every rank passes the *same* full batch: the backend splits it across ranks by tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from palaestra.errors import ConfigError
+from palaestra.trainers.algorithms.aggregation import loss_token_weights
+from palaestra.trainers.algorithms.config import LossConfig
+from palaestra.trainers.algorithms.objective import (
+    dpo_loss_micro,
+    rl_loss,
+    sft_loss_micro,
+    value_loss_micro,
+)
+from palaestra.trainers.batching import (
+    MicroBatch,
+    TrainBatch,
+    build_micro_batch,
+    make_micro_batches,
+    pad_ragged,
+    split_across_ranks,
+    unpad,
+)
+from palaestra.trainers.torch_backend import checkpoint as ckpt
+from palaestra.trainers.torch_backend.config import TorchBackendConfig
+from palaestra.trainers.torch_backend.distributed import (
+    DistInfo,
+    all_gather_objects,
+    all_reduce_max_int,
+    all_reduce_sum,
+    apply_fsdp2,
+    setup_distributed,
+)
+from palaestra.trainers.torch_backend.logprobs import shift_values, shifted_token_logprobs
+from palaestra.trainers.torch_backend.optim import build_optimizer, build_scheduler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy and torch (all devices)."""
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _enable_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant activation checkpointing of every layer (transformers 5 and 4 names)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+class TorchBackend:
+    """A trainable Hugging Face model with its optimizer, schedule and optional reference copy.
+
+    ``model_path`` is a local directory with a ``from_pretrained`` checkpoint (no downloads are
+    attempted when it is a directory).
+    """
+
+    def __init__(self, model_path: str | Path, config: TorchBackendConfig | None = None) -> None:
+        self.config = config or TorchBackendConfig()
+        self.model_path = Path(model_path)
+        self.dist: DistInfo = setup_distributed(self.config.device)
+        self.device = self.dist.device
+        self.compute_dtype = self._compute_dtype()
+        self.param_dtype = _DTYPES[self.config.param_dtype]
+        self.fsdp = self.dist.is_distributed and self.config.fsdp == "auto"
+        if self.dist.is_distributed and not self.fsdp:
+            raise ConfigError(
+                "several ranks but fsdp='off': the torch backend shards with FSDP2 only; set "
+                "fsdp='auto' or run one process"
+            )
+        seed_everything(self.config.seed)
+        self.model = self._load_model(self.model_path, trainable=True)
+        self.ref_model: torch.nn.Module | None = None
+        if self.config.ref_model:
+            ref_path = Path(self.config.ref_model_path or self.model_path)
+            self.ref_model = self._load_model(ref_path, trainable=False)
+        self.optimizer = build_optimizer(self.model.parameters(), self.config)
+        self.scheduler = build_scheduler(self.optimizer, self.config)
+        self.step = 0
+        self._last_lr = float(self.optimizer.param_groups[0]["lr"])
+
+    # ---------------------------------------------------------------- construction helpers
+    def _compute_dtype(self) -> torch.dtype:
+        if self.config.dtype != "auto":
+            return _DTYPES[self.config.dtype]
+        if self.device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+
+    def _load_model(self, path: Path, *, trainable: bool) -> torch.nn.Module:
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"{path} is not a Hugging Face model directory (no config.json); pass a local "
+                "directory saved with save_pretrained (or `palaestra init-model`)"
+            )
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+
+        kwargs: dict[str, Any] = {
+            "dtype": self.param_dtype,
+            "trust_remote_code": self.config.trust_remote_code,
+        }
+        if self.config.attn_implementation:
+            kwargs["attn_implementation"] = self.config.attn_implementation
+        if self.config.critic and trainable:
+            # the value head starts from a seeded random init; no dropout keeps it deterministic
+            hf_config = AutoConfig.from_pretrained(
+                str(path), trust_remote_code=self.config.trust_remote_code
+            )
+            hf_config.num_labels = 1
+            hf_config.classifier_dropout = 0.0
+            model = AutoModelForTokenClassification.from_pretrained(
+                str(path), config=hf_config, **kwargs
+            )
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        model.config.use_cache = False
+        if trainable and self.config.gradient_checkpointing:
+            _enable_checkpointing(model)
+        model.to(self.device)
+        if self.fsdp:
+            mp_dtype = self.compute_dtype if self.compute_dtype != self.param_dtype else None
+            apply_fsdp2(
+                model, self.dist, param_dtype=mp_dtype,
+                reshard_after_forward=self.config.fsdp_reshard_after_forward,
+            )
+        if trainable:
+            model.train()
+        else:
+            model.eval()
+            model.requires_grad_(False)
+        return model
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.fsdp or self.compute_dtype == self.param_dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    # ------------------------------------------------------------------------- forwards
+    def _run_model(
+        self, model: torch.nn.Module, mb: MicroBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[R, L, V]`` and the valid-position mask ``[R, L]`` of a micro-batch."""
+        with self._autocast():
+            out = model(
+                input_ids=mb.input_ids,
+                position_ids=mb.position_ids,
+                attention_mask=mb.attention_mask,
+                use_cache=False,
+            )
+        valid = (mb.seq_index >= 0) & (mb.position_ids > 0)
+        return out.logits, valid
+
+    def _token_stats(
+        self, model: torch.nn.Module, mb: MicroBatch, *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logits, valid = self._run_model(model, mb)
+        if self.config.critic and model is self.model:
+            return shift_values(logits[..., 0].float(), valid), None
+        return shifted_token_logprobs(
+            logits, mb.input_ids, valid, with_entropy=with_entropy,
+            temperature=self.config.logits_temperature,
+        )
+
+    def _dummy_micro_batch(self) -> MicroBatch:
+        """Two tokens whose result is discarded: keeps FSDP collectives in step across ranks."""
+        return build_micro_batch(
+            (torch.zeros(2, dtype=torch.long),), [0], pack=self.config.pack_sequences
+        )
+
+    def _rank_subset(self, batch: TrainBatch) -> list[int] | None:
+        if not self.dist.is_distributed:
+            return None
+        parts = split_across_ranks(batch.lengths, self.dist.world_size, units=batch.units())
+        return parts[self.dist.rank]
+
+    @torch.no_grad()
+    def _forward_all(
+        self, batch: TrainBatch, *, ref: bool, with_entropy: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        model = self.model
+        if ref:
+            if self.ref_model is None:
+                raise ConfigError(
+                    "forward_logprobs(ref=True) needs a reference model: set "
+                    "TorchBackendConfig(ref_model=True), or precompute ref_logprobs"
+                )
+            model = self.ref_model
+        was_training = model.training
+        model.eval()
+        micro = make_micro_batches(
+            batch, self.config.forward_max_tokens, pack=self.config.pack_sequences, fields={},
+            subset=self._rank_subset(batch),
+        )
+        steps = all_reduce_max_int(len(micro), self.dist)
+        local: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for i in range(steps):
+            mb = (micro[i] if i < len(micro) else self._dummy_micro_batch()).to(self.device)
+            values, entropy = self._token_stats(model, mb, with_entropy=with_entropy)
+            if i >= len(micro):
+                continue
+            ent_parts = mb.unpack(entropy) if entropy is not None else [None] * mb.num_sequences
+            for idx, v, e in zip(mb.indices, mb.unpack(values), ent_parts):
+                local[idx] = (v.float().cpu(), None if e is None else e.float().cpu())
+        if was_training:
+            model.train()
+        merged: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        for part in all_gather_objects(local, self.dist):
+            merged.update(part)
+        logps = [merged[i][0] for i in range(batch.num_sequences)]
+        ents = [merged[i][1] for i in range(batch.num_sequences)] if with_entropy else None
+        return logps, ents  # type: ignore[return-value]
+
+    def forward_logprobs(self, batch: TrainBatch, *, ref: bool = False) -> list[torch.Tensor]:
+        """``log pi(token_t | tokens_<t)`` of every token (0 at position 0), one row per sequence.
+
+        ``ref=True`` uses the frozen reference model. float32 on CPU, aligned with
+        ``Sample.logprobs_T``. Under FSDP every rank gets the whole result.
+        """
+        if self.config.critic and not ref:
+            raise ConfigError("this backend is a critic; use forward_values()")
+        return self._forward_all(batch, ref=ref, with_entropy=False)[0]
+
+    def forward_logprobs_with_entropy(
+        self, batch: TrainBatch, *, ref: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Token logprobs and the entropy of each next-token distribution (same alignment)."""
+        if self.config.critic and not ref:
+            raise ConfigError("this backend is a critic; use forward_values()")
+        logps, ents = self._forward_all(batch, ref=ref, with_entropy=True)
+        assert ents is not None
+        return logps, ents
+
+    def forward_values(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """Critic values ``V_t`` (estimated before token ``t``), one tensor per sequence."""
+        if not self.config.critic:
+            raise ConfigError("forward_values() needs TorchBackendConfig(critic=True)")
+        return self._forward_all(batch, ref=False, with_entropy=False)[0]
+
+    # --------------------------------------------------------------------------- training
+    def _check_batch(self, batch: TrainBatch, cfg: LossConfig) -> None:
+        need: list[str] = []
+        if self.config.critic:
+            need = ["returns", "old_values"]
+        elif cfg.objective == "rl":
+            need = ["advantages"]
+        elif cfg.objective == "dpo":
+            if not batch.paired:
+                raise ConfigError("objective='dpo' needs a paired batch (TrainBatch.from_pairs)")
+            need = ["ref_logprobs"]
+        missing = [n for n in need if getattr(batch, n) is None]
+        if missing:
+            raise ConfigError(
+                f"train_step({cfg.objective}) needs {missing} on the batch; "
+                "compute_advantages() fills advantages (and returns/old_values for GAE), "
+                "forward_logprobs(batch, ref=True) the reference logprobs"
+            )
+
+    def _loss_weights(self, batch: TrainBatch, cfg: LossConfig) -> tuple[torch.Tensor, ...]:
+        mode = cfg.loss_agg if cfg.objective != "dpo" else "token-mean"
+        group = batch.group_index() if mode == "group-mean-token-mean" else None
+        weights = loss_token_weights(
+            pad_ragged(batch.loss_mask), mode, group_index_B=group, norm_len=cfg.loss_agg_norm_len
+        )
+        return unpad(weights, batch.lengths)
+
+    def _micro_loss(
+        self, mb: MicroBatch, cfg: LossConfig
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        f = mb.fields
+        if self.config.critic:
+            values, _ = self._token_stats(self.model, mb, with_entropy=False)
+            return value_loss_micro(
+                cfg, values=values, weights=f["weights"], old_values=f["old_values"],
+                returns=f["returns"],
+            )
+        logits, valid = self._run_model(self.model, mb)
+        temperature = self.config.logits_temperature
+        grad_entropy = cfg.objective == "rl" and cfg.entropy_coef > 0
+        logp, entropy = shifted_token_logprobs(
+            logits, mb.input_ids, valid, with_entropy=grad_entropy, temperature=temperature
+        )
+        if entropy is None and cfg.objective != "dpo":
+            with torch.no_grad():
+                entropy = shifted_token_logprobs(
+                    logits.detach(), mb.input_ids, valid, with_entropy=True,
+                    temperature=temperature,
+                )[1]
+        if cfg.objective == "sft":
+            return sft_loss_micro(logp=logp, weights=f["weights"], entropy=entropy)
+        if cfg.objective == "dpo":
+            return dpo_loss_micro(
+                cfg, logp=logp, ref_logp=f["ref_logprobs"], loss_mask=f["loss_mask"],
+                seq_index=mb.seq_index, pair_weights=mb.seq_fields["pair_weight"][0::2],
+            )
+        return rl_loss(
+            cfg, logp=logp, weights=f["weights"], loss_mask=f["loss_mask"],
+            advantages=f["advantages"], old_logp=f.get("old_logprobs"),
+            ref_logp=f.get("ref_logprobs"), rollout_logp=f.get("rollout_logprobs"),
+            entropy=entropy, seq_index=mb.seq_index,
+        )
+
+    def train_step(self, batch: TrainBatch, loss_cfg: LossConfig) -> dict[str, float]:
+        """One optimizer step on ``batch`` under ``loss_cfg``; returns float metrics.
+
+        Metrics: ``loss`` and the objective's terms (``actor/pg_loss``, ``actor/kl``,
+        ``actor/entropy``, ``actor/clip_frac``, ... aggregated like the loss), ``grad_norm``
+        (before clipping), ``lr``, ``num_tokens``, ``num_loss_tokens``, ``num_micro_batches``,
+        ``step_time_s``.
+        """
+        start = time.perf_counter()
+        self._check_batch(batch, loss_cfg)
+        if (
+            not self.config.critic
+            and loss_cfg.needs_ref_logprobs
+            and loss_cfg.kl_mode == "loss"
+            and batch.ref_logprobs is None
+            and self.ref_model is not None
+        ):
+            batch = batch.replace(ref_logprobs=self.forward_logprobs(batch, ref=True))
+        fields: dict[str, Sequence[torch.Tensor]] = {
+            "weights": self._loss_weights(batch, loss_cfg),
+            "loss_mask": batch.loss_mask,
+        }
+        for name in ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs",
+                     "old_values", "returns"):
+            if getattr(batch, name) is not None:
+                fields[name] = getattr(batch, name)
+        if not (loss_cfg.tis_cap is not None or loss_cfg.objective == "rl"):
+            fields.pop("rollout_logprobs", None)
+        seq_fields = {}
+        if loss_cfg.objective == "dpo" and not self.config.critic:
+            seq_fields["pair_weight"] = torch.full(
+                (batch.num_sequences,), 2.0 / batch.num_sequences
+            )
+        micro = make_micro_batches(
+            batch, self.config.max_tokens_per_micro_batch, pack=self.config.pack_sequences,
+            fields=fields, seq_fields=seq_fields, subset=self._rank_subset(batch),
+        )
+        steps = all_reduce_max_int(len(micro), self.dist)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = defaultdict(float)
+        for i in range(steps):
+            if self.fsdp:
+                self.model.set_requires_gradient_sync(i == steps - 1)  # type: ignore[operator]
+            if i < len(micro):
+                mb = micro[i].to(self.device)
+                loss, metrics = self._micro_loss(mb, loss_cfg)
+            else:  # this rank ran out of data: a zero-loss forward/backward keeps FSDP in step
+                logits, _ = self._run_model(self.model, self._dummy_micro_batch().to(self.device))
+                loss, metrics = logits.float().sum() * 0.0, {}
+            # FSDP2 averages gradients over ranks; the weights already sum to the batch loss
+            (loss * self.dist.world_size).backward()
+            for k, v in metrics.items():
+                sums[k] += float(v)
+        grad_norm = self._clip_and_step()
+        result = all_reduce_sum(dict(sums), self.dist)
+        result.update(grad_norm=grad_norm, lr=self._last_lr, num_micro_batches=float(steps))
+        result["num_tokens"] = float(batch.num_tokens)
+        result["num_loss_tokens"] = float(batch.num_loss_tokens)
+        result["step_time_s"] = time.perf_counter() - start
+        return result
+
+    def _clip_and_step(self) -> float:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.config.max_grad_norm if self.config.max_grad_norm is not None else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        self._last_lr = float(self.optimizer.param_groups[0]["lr"])
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        return grad_norm
+
+    # ---------------------------------------------------------------------- weights out
+    def state_dict_for_engines(
+        self, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    ) -> dict[str, torch.Tensor]:
+        """Full weights with Hugging Face names (exactly ``model.state_dict()``'s keys).
+
+        Tied parameters appear under every name (sharing one tensor). The tensors are a
+        snapshot: later training steps do not change them. A collective under FSDP2, where only
+        rank 0 gets the tensors. ``dtype`` casts floating tensors (e.g. bf16 for SGLang).
+        """
+        sd = ckpt.full_state_dict(self.model, self.dist)
+        out: dict[str, torch.Tensor] = {}
+        copies: dict[int, torch.Tensor] = {}  # data_ptr -> copy, so tied weights stay shared
+        for name, tensor in sd.items():
+            key = tensor.data_ptr()
+            if key not in copies:
+                t = tensor.detach()
+                target_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+                copies[key] = t.to(device=device, dtype=target_dtype, copy=True)
+            out[name] = copies[key]
+        return out
+
+    def iter_engine_weight_buckets(
+        self, bucket_bytes: int = 512 << 20, *, dtype: torch.dtype | None = None
+    ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """``state_dict_for_engines`` cut into lists of at most ``bucket_bytes`` (>= 1 tensor)."""
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in self.state_dict_for_engines(dtype=dtype).items():
+            nbytes = tensor.numel() * tensor.element_size()
+            if bucket and size + nbytes > bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+            bucket.append((name, tensor))
+            size += nbytes
+        if bucket:
+            yield bucket
+
+    # ----------------------------------------------------------------------- checkpoints
+    def save(self, directory: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
+        """Checkpoint model, optimizer, scheduler, step and RNG into ``directory``."""
+        state = {"model_path": str(self.model_path), "config": self.config.model_dump()}
+        return ckpt.save_checkpoint(
+            directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            step=self.step, info=self.dist, extra={**state, **(extra or {})},
+        )
+
+    def load(self, directory: str | Path) -> dict[str, Any]:
+        """Restore a checkpoint written by ``save``; returns its state (``step``, ``extra``)."""
+        state = ckpt.load_checkpoint(
+            directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+            info=self.dist,
+        )
+        self.step = int(state["step"])
+        return state
+
+    def export_hf(self, directory: str | Path, *, dtype: torch.dtype | None = None) -> Path:
+        """Save a ``from_pretrained``-loadable model and the source tokenizer into ``directory``."""
+        return ckpt.export_hf(
+            directory, model=self.model, info=self.dist, source_path=self.model_path, dtype=dtype
+        )
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+__all__ = ["TorchBackend", "seed_everything"]
