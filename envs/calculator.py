@@ -124,6 +124,12 @@ class CalculatorEnv(ToolEnv):
         assert self.task is not None
         return 1.0 if answers_match(extract_answer(action.content), str(self.task["answer"])) else 0.0
 
+    def answer_info(self, action: Message) -> dict[str, Any]:
+        assert self.task is not None
+        given = extract_answer(action.content)
+        gold = str(self.task["answer"])
+        return {"answer": given, "gold": gold, "correct": answers_match(given, gold)}
+
 
 def answers_match(given: str | None, gold: str) -> bool:
     if given is None:
@@ -167,7 +173,7 @@ def demonstrations(
     """Imperfect chat demonstrations for an SFT warm start (OpenAI message dicts).
 
     A ``tool_fraction`` of them call the calculator and copy its result into the answer (right);
-    the others answer at once with a guess of the right magnitude (almost always wrong). SFT on
+    the others answer at once with a random guess of the same length (almost always wrong). SFT on
     this mix teaches the format and both behaviours; RL must then learn which one earns reward.
     """
     rng = np.random.default_rng(seed)
@@ -192,9 +198,10 @@ def demonstrations(
                 {"role": "assistant", "content": f"<answer>{task['answer']}</answer>"},
             ]
         else:
-            true = float(task["answer"])
-            guess = int(true + rng.normal(0, max(10.0, abs(true) * 0.3)))
-            if guess == int(true):
+            # a guess with as many digits as the true value, almost never right
+            digits = len(task["answer"].lstrip("-"))
+            guess = int(rng.integers(10 ** (digits - 1) if digits > 1 else 0, 10**digits))
+            if str(guess) == task["answer"]:
                 guess += 1
             messages.append({"role": "assistant", "content": f"<answer>{guess}</answer>"})
         dialogues.append(messages)

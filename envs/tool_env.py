@@ -59,6 +59,10 @@ class ToolEnv(MultiTurnEnv):
         """Reward of a final answer (an action without tool calls)."""
         raise NotImplementedError(f"{type(self).__name__} must implement score()")
 
+    def answer_info(self, action: Message) -> dict[str, Any]:
+        """Info of the final step: e.g. ``{"answer", "gold", "correct"}`` for evaluation."""
+        return {}
+
     # sync `step` goes through the same async code path as the rollout
     def on_action(self, action: Message) -> StepResult:
         return run_sync(self.aon_action(action))
@@ -68,7 +72,9 @@ class ToolEnv(MultiTurnEnv):
 
     async def arespond(self, action: Message) -> StepResult:
         if not action.tool_calls:
-            return StepResult(reward=self.score(action), terminated=True)
+            return StepResult(
+                reward=self.score(action), terminated=True, info=self.answer_info(action)
+            )
         outcomes = await asyncio.gather(*(self.call_tool(c) for c in action.tool_calls))
         messages = [m for m, _ in outcomes]
         errors = sum(1 for _, is_error in outcomes if is_error)

@@ -16,6 +16,8 @@ of the weights that sampled them). Calling `run_episode` again with the same env
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field, replace
 from time import perf_counter
@@ -40,6 +42,7 @@ class EpisodeState:
     aborts: int = 0
     engine_s: float = 0.0
     env_s: float = 0.0
+    agent_s: float = 0.0
     wall_s: float = 0.0
 
 
@@ -58,7 +61,18 @@ async def run_episode(
     group_id: str = "",
     state: EpisodeState | None = None,
 ) -> Trajectory:
-    """Play one episode (or resume ``state``) and return its trajectory; never raises on failure."""
+    """Play one episode (or resume ``state``) and return its trajectory; never raises on failure.
+
+    An env that plays its episodes itself (an external agent program: ``episode_runner =
+    "module:function"`` on the env class) is handed to that function with the same arguments.
+    """
+    runner = getattr(env, "episode_runner", None)
+    if runner is not None:
+        return await _runner(runner)(  # type: ignore[no-any-return]
+            env, agent, engine, sampling, seed=seed, task=task, session_id=session_id,
+            max_turns=max_turns, step_timeout_s=step_timeout_s, env_id=env_id,
+            group_id=group_id, state=state,
+        )
     st = state if state is not None else EpisodeState()
     began = perf_counter()
     env_id = env_id or _env_id(env)
@@ -73,7 +87,9 @@ async def run_episode(
             st.env_s += perf_counter() - t
             st.task_id = str(info.get("task_id", ""))
             stage = "agent.start"
+            t = perf_counter()
             agent.start(obs, info.get("tools") or ())
+            st.agent_s += perf_counter() - t
             st.started = True
         st.seed = sampling.seed
         stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *agent.stop_token_ids)))
@@ -100,9 +116,11 @@ async def run_episode(
             st.requests += 1
             t = perf_counter()
             gen = await engine.generate(agent.input_ids, params, request_id=rid, session_id=session_id)
-            st.engine_s += perf_counter() - t
+            t2 = perf_counter()
+            st.engine_s += t2 - t
             stage = "agent.parse"
             action = agent.on_generation(gen)  # an aborted turn is continued by the next call
+            st.agent_s += perf_counter() - t2
             if gen.finish_reason == "abort":
                 st.partial_tokens += len(gen.token_ids)
                 st.aborts += 1
@@ -122,8 +140,10 @@ async def run_episode(
                 stop = StopReason(info.get("stop_reason") or default)
                 break
             stage = "agent.observe"
+            t = perf_counter()
             if not agent.on_observation(obs):
                 stop = StopReason.TRUNCATED
+            st.agent_s += perf_counter() - t
     except (TimeoutError, asyncio.TimeoutError):
         stop, error = StopReason.TIMEOUT, f"{stage}: timed out after {step_timeout_s} s"
     except Exception as exc:  # a bad rollout is data, not a crash
@@ -169,6 +189,7 @@ def _trajectory(
         "total_tokens": float(samples[0].num_tokens) if samples else 0.0,
         "engine_s": st.engine_s,
         "env_s": st.env_s,
+        "agent_s": st.agent_s,
         "wall_s": st.wall_s,
         "requests": float(st.requests),
         "aborts": float(st.aborts),
@@ -192,6 +213,12 @@ def _trajectory(
         metrics=metrics,
         group_id=group_id,
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _runner(target: str) -> Any:
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _env_id(env: Any) -> str:

@@ -64,11 +64,11 @@ class RolloutBatch:
 class _Ready:
     task: GroupTask
     usable: tuple[Trajectory, ...]
+    min_version: int = -1  # oldest policy version of any sampled token in the group
 
-    @property
-    def min_version(self) -> int:
+    def __post_init__(self) -> None:
         versions = [s.min_version for t in self.usable for s in t.samples if s.num_sampled]
-        return min(versions, default=-1)
+        self.min_version = min(versions, default=-1)
 
 
 class _Step:
@@ -139,6 +139,8 @@ class RolloutManager:
         if self._control is None and not self.worker_config.engine.owned:
             self._control = self.worker_config.engine.build()
         if self._control is not None:
+            # engines keep a pause across clients (an earlier run may have left them paused)
+            await self._on_engines("resume")
             self.version = self._control.weight_version
 
     async def close(self) -> None:
@@ -149,6 +151,9 @@ class RolloutManager:
         for fut in self._polls.values():
             fut.cancel()
         self._polls.clear()
+        if self._paused and self._control is not None:  # leave shared engines running
+            await self._on_engines("resume")
+        self._paused = False
         if self._own_pool:
             await self.pool.close()
         elif self._handles:  # a shared pool: stop this run's episodes, keep the processes

@@ -3,8 +3,8 @@
 Reward, pass-rate, length and tool metrics describe the *kept* trajectories (what the trainer
 sees); stop reasons, failures and throughput describe *every* episode that finished in the step;
 ``groups/*`` is the ledger of every task drawn (see `RolloutManager`). Time is split into engine,
-env (and sandbox, when envs report ``sandbox_s`` in their step info) and the rest (framework and
-event-loop queueing), as fractions of the episodes' wall time.
+env (and sandbox, when envs report ``sandbox_s`` in their step info), agent (rendering, parsing)
+and the rest (framework and event-loop queueing), as fractions of the episodes' wall time.
 """
 
 from __future__ import annotations
@@ -72,17 +72,24 @@ def summarize(
     steps = _sum(finished, "turns")
     tokens = _sum(finished, "response_tokens")
     elapsed = max(elapsed_s, 1e-9)
+    out["episodes/env_steps"] = steps
     out["time/step_s"] = elapsed_s
     out["perf/episodes_per_s"] = len(finished) / elapsed
     out["perf/env_steps_per_s"] = steps / elapsed
     out["perf/tokens_per_s"] = tokens / elapsed
     wall = _sum(finished, "wall_s")
-    engine, env, sandbox = (_sum(finished, k) for k in ("engine_s", "env_s", "sandbox_s"))
+    engine, env, sandbox, agent = (
+        _sum(finished, k) for k in ("engine_s", "env_s", "sandbox_s", "agent_s")
+    )
     if wall > 0:
         out["time/engine_frac"] = engine / wall
         out["time/env_frac"] = (env - sandbox) / wall
         out["time/sandbox_frac"] = sandbox / wall
-        out["time/other_frac"] = max(0.0, 1.0 - (engine + env) / wall)
+        out["time/agent_frac"] = agent / wall
+        out["time/other_frac"] = max(0.0, 1.0 - (engine + env + agent) / wall)
+    if steps:
+        out["time/agent_ms_per_step"] = 1e3 * agent / steps
+        out["time/env_ms_per_step"] = 1e3 * env / steps
     return out
 
 

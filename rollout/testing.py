@@ -8,6 +8,7 @@ Ray workers, which import this module by name).
 - `FlakyCalculatorEnv` (``palaestra-test/FlakyCalculator-v0``): the calculator env whose steps
   raise with probability ``fail_rate`` and hang with probability ``hang_rate``, decided by a hash
   of (episode seed, turn) so the same episode fails the same way every time.
+- `scripted_router`: a `Router` over canned calculator engines (the benchmark's instant engine).
 """
 
 from __future__ import annotations
@@ -79,6 +80,19 @@ def canned_calculator_turns(tokenizer_path: str) -> tuple[list[int], list[int], 
     )
 
 
+def scripted_router(tokenizer_path: str, n_engines: int = 2, latency_s: float = 0.0) -> Any:
+    """A `Router` over ``n_engines`` canned calculator engines (tool call, then "42")."""
+    from palaestra.rollout.engines.router import Router
+    from palaestra.rollout.engines.scripted import ScriptedEngine
+
+    call, answer, marker = canned_calculator_turns(tokenizer_path)
+    engines = [
+        ScriptedEngine.by_marker([call, answer], marker, latency_s=latency_s, name=f"scripted-{i}")
+        for i in range(n_engines)
+    ]
+    return Router(engines, health_interval_s=0)
+
+
 class FlakyCalculatorEnv(CalculatorEnv):
     """The calculator env with steps that raise or hang, deterministically per (seed, turn)."""
 
@@ -113,4 +127,5 @@ __all__ = [
     "CalculatorPolicy",
     "FlakyCalculatorEnv",
     "canned_calculator_turns",
+    "scripted_router",
 ]

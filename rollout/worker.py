@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from time import perf_counter
@@ -228,10 +229,14 @@ class RolloutWorker:
             "live_groups": len(self._groups),
             "episodes": self.episodes,
             "engine_s": self.engine_s,
+            "cpu_s": time.process_time(),
             "envs_pooled": sum(len(v) for v in self._pool.values()),
         }
         if self._cache is not None:
             out["tool_cache"] = self._cache.stats()
+        status = getattr(self._engine, "status", None)
+        if callable(status):  # a Router: per-engine health, requests served, failures
+            out["engines"] = status()
         return out
 
     async def shutdown(self) -> None:

@@ -20,7 +20,7 @@ from palaestra.sandbox.result import ExecResult
 
 if TYPE_CHECKING:
     from palaestra.sandbox.docker_backend import DockerSandbox
-    from palaestra.sandbox.integrity import IOCase, JudgeResult, judge_io, judge_function
+    from palaestra.sandbox.integrity import IOCase, JudgeResult, judge_function, judge_io
     from palaestra.sandbox.local import LocalSandbox
     from palaestra.sandbox.probe import IsolationReport
 

@@ -6,7 +6,8 @@ The host never imports this module: it reads its source and starts it as
 palaestra package is not visible in the sandbox) and trusts nothing its children send back.
 
 Why a zygote: starting an interpreter costs ~8-35 ms here; forking an already started one with
-its modules imported costs ~1 ms. Each request forks a child that applies, in this order: new
+its modules imported costs ~1-3 ms (a spare child is forked ahead of demand while the zygote is
+idle). Each run gets a fresh child that applies, in this order: new
 session, fresh stdio (memfds owned by the zygote, so output survives a kill and is capped by
 RLIMIT_FSIZE), rlimits, a per-run uid (root only) or a per-run pid namespace, a fresh working
 directory, Landlock (filesystem, TCP, signal and abstract-socket scoping) and a seccomp filter
@@ -29,7 +30,6 @@ import struct
 import sys
 import time
 
-PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_SECCOMP = 22
 PR_CAPBSET_DROP = 24
@@ -72,7 +72,7 @@ class FrameReader:
         while len(self.buf) >= 4:
             (size,) = struct.unpack_from(">I", self.buf)
             if size > self.max_frame:
-                raise ValueError("frame of %d bytes exceeds the limit" % size)
+                raise ValueError(f"frame of {size} bytes exceeds the limit")
             if len(self.buf) < 4 + size:
                 break
             body = bytes(self.buf[4:4 + size])
@@ -144,7 +144,7 @@ def landlock_restrict(prep, workdir):
             try:
                 rule = _PathBeneath(rights, pfd)
                 if syscall(SYS_LANDLOCK_ADD_RULE, fd, 1, ctypes.byref(rule), 0) != 0:
-                    raise OSError(ctypes.get_errno(), "landlock_add_rule(%s) failed" % path)
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule({path}) failed")
             finally:
                 os.close(pfd)
         if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
@@ -183,7 +183,7 @@ def drop_capabilities():
 def children_of(pid):
     # Our own children through thread-self: correct even where getpid() is namespaced.
     path = ("/proc/thread-self/children" if pid == os.getpid()
-            else "/proc/%d/task/%d/children" % (pid, pid))
+            else f"/proc/{pid}/task/{pid}/children")
     try:
         with open(path) as fh:
             return [int(x) for x in fh.read().split()]
@@ -193,7 +193,7 @@ def children_of(pid):
 
 def real_uid_of(pid):
     try:
-        with open("/proc/%d/status" % pid) as fh:
+        with open(f"/proc/{pid}/status") as fh:
             for line in fh:
                 if line.startswith("Uid:"):
                     return int(line.split()[1])
@@ -245,7 +245,7 @@ def kill_descendants(root, keep=(), uid=None, budget_s=2.0):
 
 def _is_zombie(pid):
     try:
-        with open("/proc/%d/stat" % pid, "rb") as fh:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
             data = fh.read()
         return data[data.rindex(b")") + 2:data.rindex(b")") + 3] in (b"Z", b"X")
     except (OSError, ValueError):
@@ -307,7 +307,7 @@ def _safe_open_parent(root_fd, rel, create_dirs):
     """Walk ``rel`` below ``root_fd`` without following symlinks; return (dir_fd, name)."""
     parts = [p for p in rel.split("/") if p not in ("", ".")]
     if not parts or any(p == ".." for p in parts):
-        raise ValueError("bad path %r: use a relative path inside the workspace" % rel)
+        raise ValueError(f"bad path {rel!r}: use a relative path inside the workspace")
     fd = os.dup(root_fd)
     try:
         for part in parts[:-1]:
@@ -357,7 +357,7 @@ def read_tree_file(root, rel, limit):
             try:
                 import stat as _stat
                 if not _stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise IsADirectoryError("%r is not a regular file" % rel)
+                    raise IsADirectoryError(f"{rel!r} is not a regular file")
                 chunks, total = [], 0
                 while total <= limit:
                     chunk = os.read(fd, min(1 << 20, limit + 1 - total))
@@ -367,7 +367,7 @@ def read_tree_file(root, rel, limit):
                     total += len(chunk)
                 data = b"".join(chunks)
                 if len(data) > limit:
-                    raise ValueError("%r is larger than %d bytes" % (rel, limit))
+                    raise ValueError(f"{rel!r} is larger than {limit} bytes")
                 return data
             finally:
                 os.close(fd)
@@ -505,7 +505,7 @@ def run_child(opts, req, fds, blobs):
         workdir = setup_child(opts, req, fds[:3], blobs[:files_n], keep_fd=status_fd)
     except BaseException as exc:
         try:
-            os.write(2, ("palaestra sandbox: setup failed: %r\n" % (exc,)).encode())
+            os.write(2, (f"palaestra sandbox: setup failed: {exc!r}\n").encode())
         finally:
             os._exit(SETUP_FAILED_EXIT)
     try:
@@ -516,7 +516,7 @@ def run_child(opts, req, fds, blobs):
             try:
                 os.execvpe(argv[0], argv, os.environ)
             except OSError as exc:
-                os.write(2, ("%s: %s\n" % (argv[0], exc.strerror)).encode())
+                os.write(2, (f"{argv[0]}: {exc.strerror}\n").encode())
                 os._exit(127)
         import types
         main = types.ModuleType("__main__")
@@ -538,6 +538,58 @@ def run_child(opts, req, fds, blobs):
     os._exit(code)
 
 
+def _close_all_but(keep):
+    """Close every fd >= 3 except ``keep`` (a few close_range calls over the gaps)."""
+    low = 3
+    for fd in sorted(set(keep)):
+        if fd >= low:
+            if fd > low:
+                os.closerange(low, fd)
+            low = fd + 1
+    _close_fds_from(low)
+
+
+def spare_child(opts, fds):
+    """A child forked ahead of demand: it waits for its request, then becomes a run child.
+
+    Forking while the zygote is idle takes the fork off the request's critical path. The spare
+    knows nothing about its request until woken (it cannot have leaked anything from another),
+    and it serves exactly one run like any other child.
+    """
+    go_r, req_fd, out_fd, err_fd, status_fd = fds
+    try:
+        _close_all_but(fds)
+        os.setpgid(0, 0)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        while True:
+            try:
+                go = os.read(go_r, 1)
+                break
+            except InterruptedError:
+                continue
+        if not go:
+            os._exit(0)  # the zygote is gone or no longer needs us
+        size = os.fstat(req_fd).st_size
+        frames = FrameReader(1 << 31).feed(os.pread(req_fd, size, 0))
+        req, blobs = frames[0]
+        os.close(go_r)
+        os.close(req_fd)
+        stdin = blobs[len(req.get("files", []))] if req.get("has_stdin") else b""
+        if stdin:
+            in_fd = os.memfd_create("stdin", 0)
+            os.write(in_fd, stdin)
+            os.lseek(in_fd, 0, os.SEEK_SET)
+        else:
+            in_fd = os.open(os.devnull, os.O_RDONLY)
+    except BaseException as exc:
+        try:
+            os.write(err_fd, (f"palaestra sandbox: setup failed: {exc!r}\n").encode())
+        finally:
+            os._exit(SETUP_FAILED_EXIT)
+    run_child(opts, req, (in_fd, out_fd, err_fd, status_fd), blobs)
+
+
 def pidns_leader(opts, req, fds, blobs, target):
     """Intermediate process: enter a fresh pid namespace; its pid-1 child runs ``target``.
 
@@ -551,7 +603,7 @@ def pidns_leader(opts, req, fds, blobs, target):
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWPID) failed")
         pid = os.fork()
     except BaseException as exc:
-        os.write(fds[2], ("palaestra sandbox: setup failed: %r\n" % (exc,)).encode())
+        os.write(fds[2], (f"palaestra sandbox: setup failed: {exc!r}\n").encode())
         os._exit(SETUP_FAILED_EXIT)
     if pid == 0:
         target(opts, req, fds, blobs)
@@ -579,7 +631,7 @@ def kernel_child(opts, req, fds, blobs):
         sock = socket.socket(fileno=3)
     except BaseException as exc:
         try:
-            os.write(2, ("palaestra sandbox: kernel setup failed: %r\n" % (exc,)).encode())
+            os.write(2, (f"palaestra sandbox: kernel setup failed: {exc!r}\n").encode())
         finally:
             os._exit(SETUP_FAILED_EXIT)
     try:
@@ -630,7 +682,7 @@ def kernel_loop(sock, workdir, pidns=False):
                 os.close(fd)
             # Fresh stream objects: an earlier cell may have closed or replaced them (exit()
             # closes sys.stdin, for one).
-            sys.stdin = open(0, "r", closefd=False, encoding="utf-8")
+            sys.stdin = open(0, closefd=False, encoding="utf-8")
             sys.stdout = open(1, "w", closefd=False, encoding="utf-8")
             sys.stderr = open(2, "w", closefd=False, encoding="utf-8", errors="backslashreplace")
             code, oom = exec_python(blobs[0].decode("utf-8", "surrogateescape"), main.__dict__,
@@ -689,6 +741,7 @@ class Zygote:
         self.sel = selectors.DefaultSelector()
         self.max_output = int(opts.get("max_output", 1 << 17))
         self.null = os.open(os.devnull, os.O_RDWR)
+        self.spare = None  # (pid, go_w, req_fd, out_fd, err_fd, status_fd)
 
     # -- plumbing
     def send(self, header, blobs=()):
@@ -713,7 +766,68 @@ class Zygote:
         return data, size
 
     def tracked(self):
-        return set(self.runs) | set(self.kernel_pids)
+        out = set(self.runs) | set(self.kernel_pids)
+        if self.spare is not None:
+            out.add(self.spare[0])
+        return out
+
+    def make_spare(self):
+        """Fork the next run's child now, while idle (not in pid-namespace mode)."""
+        if self.spare is not None or self.opts.get("pidns") or self.opts.get("no_spare"):
+            return
+        go_r, go_w = os.pipe2(os.O_CLOEXEC)
+        fds = (go_r, self._memfd("request"), self._memfd("stdout"), self._memfd("stderr"),
+               self._memfd("status"))
+        try:
+            pid = os.fork()
+        except OSError:
+            for fd in (go_w,) + fds:
+                os.close(fd)
+            return
+        if pid == 0:
+            spare_child(self.opts, fds)
+            os._exit(1)
+        os.close(go_r)
+        self.spare = (pid, go_w) + fds[1:]
+
+    def drop_spare(self):
+        if self.spare is None:
+            return
+        pid, go_w, req_fd, out_fd, err_fd, status_fd = self.spare
+        self.spare = None
+        for fd in (go_w, req_fd, out_fd, err_fd, status_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+    def _dispatch_to_spare(self, req, blobs):
+        """Hand a run to the waiting spare; returns its pid, or None to fork instead."""
+        if self.spare is None:
+            return None
+        pid, go_w, req_fd, out_fd, err_fd, status_fd = self.spare
+        self.spare = None
+        try:
+            os.write(req_fd, pack(req, blobs))
+            os.write(go_w, b"g")
+        except OSError:  # it died: fall back to a fresh fork
+            for fd in (out_fd, err_fd, status_fd):
+                os.close(fd)
+            return None
+        finally:
+            os.close(go_w)
+            os.close(req_fd)
+        job = Job(req["id"], out_fd, err_fd, time.monotonic() + float(req["timeout"]),
+                  uid=req.get("uid"))
+        job.remove_dir = req["workdir"] if req.get("create_workdir") else None
+        job.status_fd = status_fd
+        job.oom_before = self.oom_count()
+        self.runs[pid] = job
+        return pid
 
     def _fork(self, target, req, fds, blobs):
         if self.opts.get("pidns"):
@@ -767,12 +881,14 @@ class Zygote:
             elif op == "shutdown":
                 self.shutdown()
             else:
-                raise ValueError("unknown op %r" % op)
+                raise ValueError(f"unknown op {op!r}")
         except Exception as exc:
-            self.send({"op": "error", "id": header.get("id"), "error": "%s: %s" % (
-                type(exc).__name__, exc)})
+            self.send({"op": "error", "id": header.get("id"),
+                       "error": f"{type(exc).__name__}: {exc}"})
 
     def start_run(self, req, blobs):
+        if self._dispatch_to_spare(req, blobs) is not None:
+            return
         files_n = len(req.get("files", []))
         stdin = blobs[files_n] if req.get("has_stdin") else None
         in_fd = self._memfd("stdin", stdin) if stdin else os.open(os.devnull, os.O_RDONLY)
@@ -813,7 +929,7 @@ class Zygote:
             restarted = bool(req.get("had_kernel"))
             kernel = self.start_kernel(req)
         if kernel.job is not None:
-            raise RuntimeError("session %r is already running a cell" % session)
+            raise RuntimeError(f"session {session!r} is already running a cell")
         stdin = blobs[1] if req.get("has_stdin") else None
         in_fd = self._memfd("stdin", stdin) if stdin else os.open(os.devnull, os.O_RDONLY)
         out_fd, err_fd = self._memfd("stdout"), self._memfd("stderr")
@@ -902,7 +1018,7 @@ class Zygote:
             os._exit(0)
         while True:
             try:
-                _, status, ru = os.wait4(pid, 0)
+                os.wait4(pid, 0)
                 break
             except InterruptedError:
                 continue
@@ -944,6 +1060,9 @@ class Zygote:
                         oom=bool(header.get("oom")))
 
     def on_exit(self, pid, status, ru):
+        if self.spare is not None and pid == self.spare[0]:
+            self.drop_spare()  # a spare that died before being used
+            return
         job = self.runs.pop(pid, None)
         if job is not None:
             self.sweep(job.uid)
@@ -1029,6 +1148,7 @@ class Zygote:
             self.on_exit(pid, status, ru)
 
     def shutdown(self):
+        self.drop_spare()
         for pid in list(self.runs) + list(self.kernel_pids):
             self._kill_tree(pid)
         kill_descendants(self.pid)
@@ -1067,6 +1187,7 @@ class Zygote:
                     self.on_kernel_readable(arg)
             self.reap()
             timeout = self.check_deadlines()
+            self.make_spare()
 
 
 def probe_features(opts):
@@ -1094,8 +1215,14 @@ def main():
     else:
         chan_in = chan_out = int(opts.get("fd", 3))
         os.set_inheritable(chan_in, False)
-    # Started with -S: site-packages are put on sys.path without running any .pth code.
+    # Started with -S: site-packages are put on sys.path without running any .pth code, and
+    # the interactive helpers site would add (exit, quit, ...) are installed by hand.
     sys.path.extend(p for p in opts.get("sys_path", []) if p not in sys.path)
+    import _sitebuiltins
+    import builtins
+    builtins.exit = _sitebuiltins.Quitter("exit", "Ctrl-D (i.e. EOF)")
+    builtins.quit = _sitebuiltins.Quitter("quit", "Ctrl-D (i.e. EOF)")
+    builtins.help = _sitebuiltins._Helper()
     for name in opts.get("preload", []):
         try:
             __import__(name)

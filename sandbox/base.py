@@ -136,7 +136,9 @@ class Sandbox(abc.ABC):
                               f"not {backend!r}; use Sandbox(backend={backend!r})")
         self.config = SandboxConfig.from_kwargs(config, **options)
         self._limiter = limiter
+        self._owns_limiter = limiter is None
         self._start_lock: asyncio.Lock | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
         self._closed = False
         self._default_session: SandboxSession | None = None
@@ -161,6 +163,17 @@ class Sandbox(abc.ABC):
         """Start workers (idempotent). Raises SandboxError if the sandbox cannot be made safe."""
         if self._closed:
             raise SandboxError("this sandbox was closed; create a new one")
+        loop = asyncio.get_running_loop()
+        if self._loop is not None and self._loop is not loop:
+            # Used from another event loop (e.g. one asyncio.run per sync env step): the workers'
+            # connections belong to the old loop, so they are replaced.
+            self._loop = loop
+            self._start_lock = None
+            if self._owns_limiter:
+                self._limiter = None
+            if self._started:
+                await self._rebind()
+        self._loop = loop
         if self._started:
             return
         if self._start_lock is None:
@@ -243,6 +256,9 @@ class Sandbox(abc.ABC):
     # -- backend hooks
     @abc.abstractmethod
     async def _start(self) -> None: ...
+
+    async def _rebind(self) -> None:  # noqa: B027 (optional hook)
+        """Drop workers bound to a previous event loop; new ones start on the current loop."""
 
     @abc.abstractmethod
     async def _close(self) -> None: ...

@@ -26,6 +26,7 @@ class PidsCgroup:
     def create(cls, limit: int) -> PidsCgroup | None:
         """Make the cgroup, or None where no writable pids controller exists."""
         for root in cls._candidate_roots():
+            cls._remove_stale(root)
             path = os.path.join(root, f"palaestra-sandbox-{uuid.uuid4().hex[:12]}")
             try:
                 os.mkdir(path, 0o755)
@@ -41,6 +42,23 @@ class PidsCgroup:
                 except OSError:
                     pass
         return None
+
+    @staticmethod
+    def _remove_stale(root: str, min_age_s: float = 3600.0) -> None:
+        """Empty cgroups of sandboxes whose owner died without closing them (rmdir refuses
+        while any process is inside; the age check spares sandboxes that are just starting)."""
+        try:
+            names = [n for n in os.listdir(root) if n.startswith("palaestra-sandbox-")]
+        except OSError:
+            return
+        now = time.time()
+        for name in names:
+            path = os.path.join(root, name)
+            try:
+                if now - os.stat(path).st_mtime > min_age_s:
+                    os.rmdir(path)
+            except OSError:
+                continue
 
     @staticmethod
     def _candidate_roots() -> list[str]:

@@ -167,6 +167,27 @@ class DockerSandbox(Sandbox):
         for _ in range(cfg.docker_pool_size - 1):
             self._refill()
 
+    async def _rebind(self) -> None:
+        """Containers attached on a previous event loop are removed; new ones start here."""
+        stale = list(self._live.values())
+        self._live.clear()
+        self._refills = set()
+        self._filling = 0
+        for zyg in stale:
+            zyg.closed = True
+            zyg._sock.close()
+
+        def remove_all() -> None:
+            for zyg in stale:
+                try:
+                    self._client.api.remove_container(zyg.container_id, force=True)
+                except Exception:
+                    pass
+
+        await asyncio.to_thread(remove_all)
+        self._pool = asyncio.Queue()
+        self._refill()
+
     def _remove_stale(self) -> None:
         """Containers left by owners that died (this host, pid gone)."""
         host = socket.gethostname()

@@ -9,6 +9,7 @@ Stateless runs get a fresh working directory that is deleted afterwards; session
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import os
 import shutil
@@ -31,11 +32,11 @@ from palaestra.sandbox.isolation import (
     python_layout,
     unshare_argv,
 )
+from palaestra.sandbox.outcome import result_from_frame
 from palaestra.sandbox.probe import IsolationReport, probe_isolation
 from palaestra.sandbox.result import ExecResult
 from palaestra.sandbox.uids import UidRange
 from palaestra.sandbox.zygote import LocalZygote, ZygoteDied
-from palaestra.sandbox.outcome import result_from_frame
 
 MIB = 1024 * 1024
 #: Extra seconds the host waits beyond a run's timeout before declaring the worker hung.
@@ -52,6 +53,11 @@ class _LocalSession:
     worker: int
     persistent: bool
     had_kernel: bool = False
+    note: str = ""  # told to the caller on the next result (e.g. files lost in a crash)
+
+
+LOST_FILES_NOTE = ("[palaestra: the sandbox worker restarted; this session's working directory "
+                   "was re-created empty]\n")
 
 
 class LocalSandbox(Sandbox):
@@ -73,6 +79,7 @@ class LocalSandbox(Sandbox):
         self._layout: PythonLayout | None = None
         self.report: IsolationReport | None = None
         self._cgroup: PidsCgroup | None = None
+        self._sessions: dict[str, _LocalSession] = {}
         self.mode: dict[str, Any] = {}
 
     # -- lifecycle
@@ -187,12 +194,35 @@ class LocalSandbox(Sandbox):
                               self.config.preload, clean_env())
             await zyg.start(self._init_opts, self._seccomp)
             self._workers[index] = zyg
+            if self._host_root == "":  # working directories lived in the dead worker's tmpfs
+                for sess in self._sessions.values():
+                    if sess.worker == index:
+                        await zyg.request({"op": "mkdir", "path": sess.workdir, "uid": sess.uid},
+                                          timeout=60)
+                        sess.note = LOST_FILES_NOTE
             return zyg
 
+    async def _rebind(self) -> None:
+        for zyg in self._workers:
+            if zyg is not None:
+                zyg.abandon()
+        self._workers = [None] * len(self._workers)
+        self._restart_locks = [asyncio.Lock() for _ in self._workers]
+
+    def _is_live(self, index: int) -> bool:
+        zyg = self._workers[index]
+        return zyg is not None and not zyg.closed
+
     async def _pick(self) -> tuple[int, LocalZygote]:
-        best = min(range(len(self._workers)),
-                   key=lambda i: (self._workers[i] is None or self._workers[i].closed,  # type: ignore[union-attr]
-                                  self._workers[i].load if self._workers[i] else 0))  # type: ignore[union-attr]
+        """The least loaded live worker; dead ones are restarted in the background."""
+        for i in range(len(self._workers)):
+            if not self._is_live(i) and not self._restart_locks[i].locked():
+                task = asyncio.get_running_loop().create_task(self._worker(i))
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        live = [i for i in range(len(self._workers)) if self._is_live(i)]
+        if not live:
+            return 0, await self._worker(0)
+        best = min(live, key=lambda i: self._workers[i].load)  # type: ignore[union-attr]
         return best, await self._worker(best)
 
     async def _close(self) -> None:
@@ -238,7 +268,7 @@ class LocalSandbox(Sandbox):
         finally:
             if handle is None and uid is not None and self._uids is not None:
                 self._uids.release(uid)
-        return result_from_frame(reply, out)
+        return _with_note(result_from_frame(reply, out), handle)
 
     # -- sessions
     async def _open_session(self, persistent_python: bool) -> _LocalSession:
@@ -251,9 +281,11 @@ class LocalSandbox(Sandbox):
             if uid is not None and self._uids is not None:
                 self._uids.release(uid)
             raise SandboxError(f"cannot create the session directory: {reply.get('error')}")
-        return _LocalSession(sid, workdir, uid, index, persistent_python)
+        sess = self._sessions[sid] = _LocalSession(sid, workdir, uid, index, persistent_python)
+        return sess
 
     async def _close_session(self, handle: _LocalSession) -> None:
+        self._sessions.pop(handle.sid, None)
         zyg = self._workers[handle.worker] if handle.worker < len(self._workers) else None
         if zyg is not None and not zyg.closed:
             try:
@@ -283,7 +315,7 @@ class LocalSandbox(Sandbox):
             reply, out = await zyg.request(header, blobs, timeout=spec.timeout + HOST_GRACE_S)
         except ZygoteDied as exc:
             return ExecResult.failure(str(exc))
-        return result_from_frame(reply, out)
+        return _with_note(result_from_frame(reply, out), handle)
 
     async def _read_file(self, handle: _LocalSession, path: str) -> bytes:
         zyg = await self._worker(handle.worker)
@@ -303,6 +335,13 @@ class LocalSandbox(Sandbox):
 
     def _session_workdir(self, handle: _LocalSession) -> str:
         return handle.workdir
+
+
+def _with_note(result: ExecResult, handle: _LocalSession | None) -> ExecResult:
+    if handle is None or not handle.note or result.error:
+        return result
+    note, handle.note = handle.note, ""
+    return dataclasses.replace(result, stderr=note + result.stderr)
 
 
 def _world_traversable(dirs: tuple[str, ...]) -> bool:

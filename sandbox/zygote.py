@@ -16,6 +16,8 @@ import itertools
 import json
 import os
 import socket
+import subprocess
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -166,7 +168,12 @@ class ZygoteClient:
 
 
 class LocalZygote(ZygoteClient):
-    """The agent started as a local process under a launcher prefix, over a socketpair."""
+    """The agent started as a local process under a launcher prefix, over a socketpair.
+
+    A plain ``subprocess.Popen`` (not an asyncio subprocess): the worker is not tied to the event
+    loop that started it, so a sandbox can move to another loop (see ``Sandbox.start``).
+    Its stderr goes to an unlinked temporary file whose tail is quoted when it dies.
+    """
 
     def __init__(self, name: str, launcher: Sequence[str], python: str, sys_path: Sequence[str],
                  preload: Sequence[str], env: dict[str, str]) -> None:
@@ -177,8 +184,8 @@ class LocalZygote(ZygoteClient):
         self._preload = list(preload)
         self._env = env
         self._sock: socket.socket | None = None
-        self._proc: asyncio.subprocess.Process | None = None
-        self._log_task: asyncio.Task[None] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self, init_opts: dict[str, Any], seccomp_bpf: bytes,
@@ -190,11 +197,11 @@ class LocalZygote(ZygoteClient):
         # site-packages on sys.path itself (sys_path).
         argv = [*self._launcher, self._python, "-I", "-B", "-S", "-c", agent_source(),
                 json.dumps(opts)]
+        self._log = tempfile.TemporaryFile(prefix="palaestra-zygote-")
         try:
-            self._proc = await asyncio.create_subprocess_exec(
-                *argv, pass_fds=[child.fileno()], env=self._env, stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-                start_new_session=True)
+            self._proc = subprocess.Popen(
+                argv, pass_fds=[child.fileno()], env=self._env, stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=self._log, start_new_session=True)
         except OSError as exc:
             parent.close()
             raise ZygoteDied(f"cannot start the sandbox worker ({argv[0]}): {exc}") from exc
@@ -204,19 +211,18 @@ class LocalZygote(ZygoteClient):
         self._sock = parent
         self._ready = loop.create_future()
         loop.add_reader(parent.fileno(), self._on_readable)
-        self._log_task = loop.create_task(self._read_log())
         self._send(pack({"op": "init", "opts": init_opts}, [seccomp_bpf]))
         return await self.wait_ready(timeout)
 
-    async def _read_log(self) -> None:
-        assert self._proc is not None and self._proc.stderr is not None
-        while True:
-            line = await self._proc.stderr.readline()
-            if not line:
-                break
-            self.log_tail.append(line.decode("utf-8", "replace").rstrip())
-        code = await self._proc.wait()
-        self.fail(f"sandbox worker exited with status {code}")
+    def fail(self, reason: str) -> None:
+        if not self.closed and self._log is not None:
+            try:
+                self._log.seek(max(0, self._log.seek(0, 2) - 2000))
+                for line in self._log.read().decode("utf-8", "replace").splitlines():
+                    self.log_tail.append(line)
+            except (OSError, ValueError):
+                pass
+        super().fail(reason)
 
     def _on_readable(self) -> None:
         assert self._sock is not None
@@ -228,7 +234,9 @@ class LocalZygote(ZygoteClient):
             self.fail(f"sandbox worker connection failed: {exc}")
             return
         if not data:
-            self.fail("sandbox worker closed its connection")
+            code = self._proc.poll() if self._proc is not None else None
+            self.fail("sandbox worker exited" + (f" with status {code}" if code is not None
+                                                 else " (connection closed)"))
             return
         self.feed(data)
 
@@ -243,16 +251,31 @@ class LocalZygote(ZygoteClient):
         else:
             self._loop.remove_writer(self._sock.fileno())
 
-    def _close_transport(self) -> None:
-        if self._sock is not None and self._loop is not None:
-            self._loop.remove_reader(self._sock.fileno())
-            self._loop.remove_writer(self._sock.fileno())
-            self._sock.close()
-        if self._proc is not None and self._proc.returncode is None:
+    def _kill(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
             try:
                 os.killpg(self._proc.pid, 9)
             except OSError:
                 pass
+
+    def _close_transport(self) -> None:
+        if self._sock is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._sock.fileno())
+                self._loop.remove_writer(self._sock.fileno())
+            self._sock.close()
+        self._kill()
+
+    def abandon(self) -> None:
+        """Kill the worker without touching its event loop (that loop may be closed)."""
+        self.closed = True
+        self.close_reason = "abandoned (event loop changed)"
+        self._pending.clear()
+        if self._sock is not None:
+            self._sock.close()
+        self._kill()
+        if self._log is not None:
+            self._log.close()
 
     async def aclose(self) -> None:
         """Stop the worker and everything it started."""
@@ -261,16 +284,17 @@ class LocalZygote(ZygoteClient):
                 self.send_nowait({"op": "shutdown"})
             except ZygoteDied:
                 pass
-        if self._proc is not None and self._proc.returncode is None:
+        proc = self._proc
+        if proc is not None:
             try:
-                await asyncio.wait_for(self._proc.wait(), 2.0)
-            except asyncio.TimeoutError:
+                await asyncio.to_thread(proc.wait, 2.0)
+            except subprocess.TimeoutExpired:
                 pass
         self.fail("sandbox closed")
-        if self._proc is not None:
+        if proc is not None:
             try:
-                await asyncio.wait_for(self._proc.wait(), 5.0)
-            except asyncio.TimeoutError:
+                await asyncio.to_thread(proc.wait, 5.0)
+            except subprocess.TimeoutExpired:
                 pass
-        if self._log_task is not None:
-            self._log_task.cancel()
+        if self._log is not None:
+            self._log.close()

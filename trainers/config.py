@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from palaestra.benchmarks.training import EvalConfig as BenchmarkEvalConfig
 from palaestra.config import Section
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.torch_backend.config import TorchBackendConfig
@@ -112,7 +113,11 @@ class WarmupSection(Section):
     batch_size: int = 32
     """Demonstrations per SFT step."""
     lr: float = 3e-3
-    """SFT learning rate."""
+    """SFT learning rate (peak)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    """Learning rate after the warm-up steps: constant or decaying to 10% of ``lr``."""
+    lr_warmup_steps: int = 20
+    """Linear learning-rate warm-up of the SFT phase."""
     demonstrations: str | None = None
     """A JSONL file of chat transcripts, or ``module:function(n, seed=..., env_kwargs=...)``
     returning them (e.g. ``palaestra.envs.calculator:demonstrations``)."""
@@ -193,6 +198,8 @@ class TrainConfig(Section):
     offline: OfflineSection = Field(default_factory=OfflineSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+    benchmark_eval: BenchmarkEvalConfig = Field(default_factory=BenchmarkEvalConfig)
+    """Benchmarks (``palaestra eval`` registry) evaluated every ``interval`` RL steps."""
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     logging: LoggingSection = Field(default_factory=LoggingSection)
 

@@ -192,6 +192,13 @@ async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, en
     elif engine.weight_version != 0:
         await engine.update_weights(backend.state_dict_for_engines(), version=0)
     progress = _progress(cfg, start_step)
+    evaluator = None
+    if cfg.benchmark_eval.benchmarks:
+        from palaestra.agents import load_tokenizer
+        from palaestra.benchmarks.training import TrainingEvaluator
+
+        evaluator = TrainingEvaluator(cfg.benchmark_eval, tokenizer=load_tokenizer(policy_path),
+                                      family=cfg.agent.family, run_dir=run.root)
     try:
         async with manager:
             for step in range(start_step, cfg.trainer.steps):
@@ -214,6 +221,8 @@ async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, en
                 record = _step_record(step, batch.metrics, train_metrics, sync_times,
                                       rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
                                       warmup_steps=cfg.warmup.steps)
+                if evaluator is not None and evaluator.due(step + 1):
+                    record.update(await evaluator.evaluate(engine, step + 1))
                 run.log_metrics(record)
                 progress.update(record)
                 if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0 \

@@ -115,7 +115,12 @@ def sft_steps(
 
     if not samples:
         raise ConfigError("no SFT examples: the demonstrations/dataset are empty")
-    torch_cfg = backend_config(cfg, lr=lr, steps=steps).model_copy(update={"logits_temperature": 1.0})
+    schedule = cfg.warmup.lr_schedule if phase == "sft" and cfg.algorithm == "rl" else None
+    update: dict[str, Any] = {"logits_temperature": 1.0}
+    if schedule is not None:
+        update.update(lr_schedule=schedule, total_steps=steps, min_lr_ratio=0.1,
+                      warmup_steps=min(cfg.warmup.lr_warmup_steps, steps))
+    torch_cfg = backend_config(cfg, lr=lr, steps=steps).model_copy(update=update)
     backend = TorchBackend(model_path, torch_cfg)
     loss_cfg = LossConfig(preset="sft")
     start = 0

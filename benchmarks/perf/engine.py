@@ -16,9 +16,10 @@ Sections:
   tokens/s end to end (prefill included) and decode tokens/s, i.e. ``B * (N - 1)`` over the time
   of an N-token run minus that of a 1-token run (same method for both sides).
 - **multi-turn** (CPU): E episodes of 4 turns of tool use; the prompt is the real chat template
-  with a tool schema, every turn appends 32 sampled tokens and a tool response. LocalEngine runs
-  the episodes concurrently with session ids (prefix reuse); HF runs each turn as a batch over
-  the whole conversation so far.
+  with two tool schemas, every turn appends 32 sampled tokens and a tool response (a calculator
+  value, a Search-R1-style result of three short documents, a value). LocalEngine runs the
+  episodes concurrently with session ids (prefix reuse, and the shared system prompt is
+  prefilled once); HF runs each turn as one batch over the whole conversation so far.
 - **GPU**: decode tokens/s at ``--batch`` and its fraction of the memory-bandwidth bound: each
   decode step must read every weight once plus each request's KV cache, so at most
   ``B / ((weight bytes + KV bytes read) / peak bandwidth)`` tokens/s.
@@ -158,10 +159,17 @@ def _episode_tokens(tokenizer: Any) -> tuple[list[int], list[list[int]]]:
     first = tokenizer.encode(tokenizer.apply_chat_template(
         messages, tools=tools, add_generation_prompt=True, tokenize=False),
         add_special_tokens=False)
+    # tool results: a calculator value, a search result of three short documents (Search-R1
+    # style), another calculator value
+    rng = random.Random(0)
+    words = ("pencil box dozen price store school supply wooden graphite count total each "
+             "pack sold dollars cents retail wholesale order unit").split()
+    docs = "\n".join(f"Doc {i + 1}(Title: {' '.join(rng.choice(words) for _ in range(4))}) "
+                     + " ".join(rng.choice(words) for _ in range(25)) for i in range(3))
+    results = ('{"result": 408}', docs, '{"result": 183}')
     deltas = []
-    for k, result in enumerate(("408", "324 then 732 pencils in total", "183 dollars")):
-        text = (f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{{\"result\": \"{result}\", "
-                f"\"step\": {k + 1}, \"note\": \"computed exactly by the calculator tool\"}}\n"
+    for result in results:
+        text = (f"<|im_end|>\n<|im_start|>user\n<tool_response>\n{result}\n"
                 "</tool_response><|im_end|>\n<|im_start|>assistant\n")
         deltas.append(tokenizer.encode(text, add_special_tokens=False))
     return first, deltas
@@ -262,7 +270,7 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     engine = LocalEngine(hf_model=model, device="cuda", dtype=torch.bfloat16,
                          max_running=args.batch, max_model_len=hi + args.new_tokens + 8,
                          max_prefill_tokens=16384, prefix_cache_tokens=0,
-                         cuda_graphs=not args.no_cuda_graphs)
+                         cuda_graphs=not args.no_cuda_graphs, decode_steps=args.decode_steps)
     rows = throughput(engine, model, [args.batch], lo, hi, args.new_tokens, args.repeats,
                       151936, "cuda", run_hf=not args.no_hf)
     row = rows[0]
@@ -271,7 +279,8 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     row.update(device=name, shape=args.shape, peak_bw_gbs=peak, bandwidth_bound_tok_s=bound,
                engine_fraction_of_bound=row["engine_decode_tok_s"] / bound,
                weight_bytes=engine.decoder.num_bytes(), kv_bytes_per_token=engine.cache.bytes_per_token,
-               cuda_graph_captures=getattr(engine._graphs, "captures", 0))
+               cuda_graph_captures=getattr(engine._graphs, "captures", 0),
+               decode_steps=engine.decode_steps)
     if "hf_decode_tok_s" in row:
         row["hf_fraction_of_bound"] = row["hf_decode_tok_s"] / bound
     print(f"{name}: engine decode {row['engine_decode_tok_s']:.0f} tok/s = "
@@ -341,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1,8,32,64", help="CPU batch sizes")
     p.add_argument("--prompt-len", default=None, help="LO:HI prompt lengths (CPU 32:256, GPU 64:192)")
     p.add_argument("--new-tokens", type=int, default=None, help="tokens per request (CPU 64, GPU 256)")
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads (both sides)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (both sides)")
     p.add_argument("--repeats", type=int, default=2, help="best of this many runs")
     p.add_argument("--episodes", type=int, default=8, help="multi-turn episodes (0 = skip)")
     p.add_argument("--turn-tokens", type=int, default=32, help="tokens sampled per turn")
@@ -350,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peak-bw-gbs", type=float, default=None, help="GPU memory bandwidth")
     p.add_argument("--no-hf", action="store_true", help="GPU: skip the HF generate baseline")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--decode-steps", type=int, default=None,
+                   help="LocalEngine decode steps per host sync (default: 8 on CUDA, 1 on CPU)")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     gpu = args.device == "cuda"

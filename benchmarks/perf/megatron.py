@@ -102,7 +102,7 @@ def hf_train_step_fn(model: Any, batch: Any, optimizer: Any) -> Any:
 
 
 def logprob_diff(backend: Any, hf_bf16: Any, ids: Any) -> dict[str, float]:
-    """Max/mean |logprob| difference, Megatron vs HF (both bf16), on one sequence."""
+    """Max/mean |logprob| difference, Megatron vs an HF model, on one sequence."""
     import torch
 
     from palaestra.trainers.batching import TrainBatch
@@ -158,10 +158,13 @@ def bench_model(name: str, args: argparse.Namespace, peak: float) -> dict[str, A
             recompute=args.recompute), hf_state_dict=hf.state_dict())
         with torch.device("cuda"):
             hf_bf16 = transformers.AutoModelForCausalLM.from_config(
-                hf_cfg, attn_implementation="sdpa").to(torch.bfloat16).eval()
+                hf_cfg, attn_implementation="sdpa").eval()
+        for p in hf_bf16.parameters():  # not .to(): that would round RoPE's fp32 inv_freq too
+            p.data = p.data.to(torch.bfloat16)
         copy = module_copier(hf_bf16)
         backend.sync_weights(copy)
         row["logprob_diff_bf16"] = logprob_diff(backend, hf_bf16, seqs[0])
+        row["logprob_diff_vs_hf_fp32"] = logprob_diff(backend, hf, seqs[0])
         torch.cuda.reset_peak_memory_stats()
         sft = LossConfig(preset="sft")
         row["megatron"] = rates(_timed(lambda: backend.train_step(batch, sft), args.warmup,
@@ -214,8 +217,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                   f"{w['buckets']} buckets)")
         if "logprob_diff_bf16" in r:
             d = r["logprob_diff_bf16"]
-            print(f"{'':<12}logprob |megatron - hf| bf16: max {d['max_abs']:.3g}, "
-                  f"mean {d['mean_abs']:.3g}")
+            e = r["logprob_diff_vs_hf_fp32"]
+            print(f"{'':<12}logprob |megatron bf16 - hf bf16|: max {d['max_abs']:.3g}, "
+                  f"mean {d['mean_abs']:.3g}; vs hf fp32: max {e['max_abs']:.3g}, "
+                  f"mean {e['mean_abs']:.3g}")
 
 
 def main(argv: list[str] | None = None) -> int:

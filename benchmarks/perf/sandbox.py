@@ -112,7 +112,7 @@ async def bench(quick: bool) -> dict[str, Any]:
             for conc in CONCURRENCY:
                 n_max, budget = _plan(program, conc, quick)
                 for mode, fn in (("warm", warm), ("cold", cold.run)):
-                    stats = await _drive(lambda fn=fn: fn(code), conc, n_max, budget)
+                    stats = await _drive(lambda fn=fn, code=code: fn(code), conc, n_max, budget)
                     stats.update(mode=mode, program=program, concurrency=conc,
                                  load1=os.getloadavg()[0])
                     results.append(stats)

@@ -25,7 +25,7 @@ class DecodeGraphs:
     """Lazily captured decode graphs keyed by (padded batch, padded key length)."""
 
     def __init__(self, decoder: Decoder, cache: SlotKVCache, max_batch: int,
-                 key_granularity: int = 256, max_graphs: int = 64) -> None:
+                 key_granularity: int = 64, max_graphs: int = 96) -> None:
         self.decoder = decoder
         self.cache = cache
         self.buckets = [b for b in _BATCH_BUCKETS if b < max_batch] + [max_batch]
@@ -38,7 +38,9 @@ class DecodeGraphs:
         self.replays = 0
 
     def reset(self) -> None:
+        # a pool whose graphs are all gone cannot take new captures: start a fresh one
         self._graphs.clear()
+        self._pool = None
         self._generation = self.cache.generation
 
     def weights_changed(self) -> None:
@@ -61,22 +63,19 @@ class DecodeGraphs:
             self.reset()
         return key in self._graphs or len(self._graphs) < self.max_graphs
 
-    def run(self, tokens: list[int], positions: list[int], key_len: int) -> torch.Tensor:
-        import torch
-
-        b = len(tokens)
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int) -> torch.Tensor:
+        """Replay for device tensors ``tokens`` and ``positions`` (no host sync); logits [B, V]."""
+        b = positions.shape[0]
         key = self._bucket(b, key_len)
         assert key is not None
         if key not in self._graphs:
             self._graphs[key] = self._capture(*key)
         graph, tok_buf, pos_buf, out = self._graphs[key]
-        bp = key[0]
-        host = torch.zeros(2, bp, dtype=torch.long, pin_memory=True)
-        host[0, :b] = torch.tensor(tokens)
-        host[1, :b] = torch.tensor(positions)
-        dev = host.to(tok_buf.device, non_blocking=True)
-        tok_buf.copy_(dev[0])
-        pos_buf.copy_(dev[1])
+        if b < key[0]:  # padding rows: token 0 at position 0 of free slots
+            tok_buf[b:].zero_()
+            pos_buf[b:].zero_()
+        tok_buf[:b].copy_(tokens)
+        pos_buf[:b].copy_(positions)
         graph.replay()
         self.replays += 1
         return out[:b]

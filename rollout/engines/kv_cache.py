@@ -68,6 +68,8 @@ class SlotKVCache:
         if slots > self.slots:
             new_slots = max(slots, min(2 * self.slots, slots + 64)) if self.slots else slots
         new_len = max(self.length, min(_round_up(length, self.granularity), self.max_length))
+        if length > self.length and self.length:  # grow geometrically: few reallocations
+            new_len = max(new_len, min(2 * self.length, self.max_length))
         with torch.inference_mode():
             for store in (self.k, self.v):
                 for i in range(self.num_layers):

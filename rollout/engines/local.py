@@ -64,6 +64,7 @@ class LocalRequest:
     stop_ids: frozenset[int] = frozenset()
     generator: Any = None
     version_spans: list[tuple[int, int]] = field(default_factory=list)
+    share_prompt: bool = False  # keep the prompt's KV after prefill: others wait for it
     created: float = field(default_factory=time.perf_counter)
 
     @property
@@ -86,7 +87,9 @@ class LocalEngine:
 
     ``max_running`` bounds the running batch (its KV slots); ``max_prefill_tokens`` the tokens one
     prefill step computes (at least one request is always admitted); ``prefix_cache_tokens`` the
-    tokens whose KV is kept for reuse (0 disables prefix reuse).
+    tokens whose KV is kept for reuse (0 disables prefix reuse); ``decode_steps`` how many decode
+    steps run between two host syncs (default 8 on CUDA, 1 on CPU); ``logits_processors``
+    (attribute) edit each step's logits, e.g. to script outputs in tests.
     """
 
     def __init__(
@@ -103,6 +106,7 @@ class LocalEngine:
         seed: int = 0,
         use_thread: bool = True,
         cuda_graphs: bool = True,
+        decode_steps: int | None = None,
         tokenizer: Any = None,
     ) -> None:
         import torch
@@ -130,6 +134,8 @@ class LocalEngine:
         self.max_model_len = min(max_model_len or cfg.max_positions, cfg.max_positions)
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
+        # decode steps per host sync: hides the per-step Python work behind the GPU
+        self.decode_steps = decode_steps or (8 if dev.type == "cuda" else 1)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         self.cache: SlotKVCache = SlotKVCache(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev,
@@ -162,7 +168,7 @@ class LocalEngine:
         self._ids = itertools.count()
         self.counters: dict[str, int] = dict.fromkeys(
             ("requests", "finished", "aborted", "prompt_tokens", "prefill_tokens",
-             "cached_tokens", "generated_tokens", "prefill_steps", "decode_steps"), 0)
+             "cached_tokens", "generated_tokens", "prefill_steps", "decode_steps", "decode_calls"), 0)
 
     # ------------------------------------------------------------------------------- protocol
     @property
@@ -492,19 +498,40 @@ class LocalEngine:
         self._after_step(reqs, tokens, logprobs)
 
     def _reap_aborted(self) -> None:
-        for req in sorted(self._running, key=lambda r: -r.slot):
-            if req.abort_message is not None:
-                self._retire(req, "abort", {"type": "abort", "message": req.abort_message})
+        aborted = [r for r in self._running if r.abort_message is not None]
+        for req in sorted(aborted, key=lambda r: -r.slot):
+            self._retire(req, "abort", {"type": "abort", "message": req.abort_message or ""})
 
     def _admit(self) -> list[LocalRequest]:
+        """Waiting requests for the next prefill, in arrival order, within the token budget.
+
+        A request that shares a longer prefix with one admitted in this same batch than the
+        prefix cache offers (another sample of the same prompt, the same system prompt) waits
+        one step: the admitted one's prompt KV is kept after its prefill, so the waiting one
+        then prefills only its own suffix.
+        """
+        from palaestra.rollout.engines.prefix_cache import KEY_TOKENS, common_prefix_len
+
         admitted: list[LocalRequest] = []
         budget = self.max_prefill_tokens
+        deferred: list[LocalRequest] = []
+        by_key: dict[tuple[int, ...], list[LocalRequest]] = {}
+        cache = self.prefix_cache
         while self._waiting and len(self._running) + len(admitted) < self.max_running:
             req = self._waiting[0]
             entry, hit = (None, 0)
-            if self.prefix_cache is not None:
-                entry, hit = self.prefix_cache.match(req.input_ids)
+            if cache is not None:
+                entry, hit = cache.match(req.input_ids)
                 hit = min(hit, len(req.input_ids) - 1)  # at least one token computes logits
+                key = tuple(req.input_ids[:KEY_TOKENS])
+                sharing = by_key.get(key, ())
+                shared = max((common_prefix_len(a.input_ids, req.input_ids) for a in sharing),
+                             default=0)
+                if min(shared, len(req.input_ids) - 1) > max(hit, cache.min_tokens - 1):
+                    for a in sharing:
+                        a.share_prompt = True
+                    deferred.append(self._waiting.popleft())
+                    continue
             new = len(req.input_ids) - hit
             if admitted and new > budget:
                 break
@@ -512,11 +539,14 @@ class LocalEngine:
             req.entry, req.cached_tokens = (entry, hit) if hit > 0 else (None, 0)
             req.slot = len(self._running) + len(admitted)
             admitted.append(req)
+            if cache is not None and len(req.input_ids) >= cache.min_tokens:
+                by_key.setdefault(tuple(req.input_ids[:KEY_TOKENS]), []).append(req)
             budget -= new
+        self._waiting.extendleft(reversed(deferred))  # first in line for the next step
         return admitted
 
     # ------------------------------------------------------------- compute (worker thread)
-    def _prefill(self, reqs: list[LocalRequest]) -> tuple[list[int], list[float]]:
+    def _prefill(self, reqs: list[LocalRequest]) -> tuple[list[list[int]], list[list[float]]]:
         import torch
 
         from palaestra.rollout.engines.model import ExtendBatch
@@ -559,33 +589,65 @@ class LocalEngine:
         self.counters["prefill_steps"] += 1
         return self._sample(logits, reqs)
 
-    def _decode(self, reqs: list[LocalRequest]) -> tuple[list[int], list[float]]:
+    def _decode(self, reqs: list[LocalRequest]) -> tuple[list[list[int]], list[list[float]]]:
+        """``k`` decode steps for the running batch, sampled tokens fed back on the device.
+
+        One host sync per call instead of per step, so the GPU never waits for the Python
+        bookkeeping between steps; a request that stops mid-call keeps its tokens up to the
+        stop (the rest are discarded: at most ``k - 1`` wasted positions, beyond its length).
+        ``k`` is 1 whenever a step's result must be seen on the host (stop strings, logits
+        processors) and never runs a request past its token or context budget.
+        """
         import torch
 
         b = len(reqs)
+        k = self.decode_steps
+        if k > 1 and (self.logits_processors or any(r.sampling.stop for r in reqs)):
+            k = 1
+        if k > 1:
+            k = min(k, min(r.sampling.max_new_tokens - len(r.output_ids) for r in reqs),
+                    min(self.max_model_len - len(r.input_ids) - len(r.output_ids) for r in reqs))
+            k = max(k, 1)
         positions = [r.kv_len for r in reqs]
-        key_len = max(positions) + 1
-        self.cache.ensure(b, key_len)
-        tokens = [r.output_ids[-1] for r in reqs]
-        if self._graphs is not None and self._graphs.supports(b, key_len):
-            logits = self._graphs.run(tokens, positions, key_len)
-        else:
-            dev = self.device
-            logits = self.decoder.decode(
-                torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
-                self.cache, key_len,
-            )
-        self.counters["decode_steps"] += 1
-        return self._sample(logits, reqs)
+        self.cache.ensure(b, max(positions) + k)
+        self.counters["decode_calls"] += 1
+        dev = self.device
+        tokens_dev = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)
+        pos0 = torch.tensor(positions, device=dev)
+        out_tokens, out_logprobs = [], []
+        for step in range(k):
+            key_len = max(positions) + step + 1
+            pos = pos0 + step if step else pos0
+            if self._graphs is not None and self._graphs.supports(b, key_len):
+                logits = self._graphs.run(tokens_dev, pos, key_len)
+            else:
+                logits = self.decoder.decode(tokens_dev, pos, self.cache, key_len)
+            tokens_dev, logprobs_dev = self._sample_device(logits, reqs)
+            out_tokens.append(tokens_dev)
+            out_logprobs.append(logprobs_dev)
+            self.counters["decode_steps"] += 1
+        # one device-to-host copy: ids < 2**24 are exact in float32
+        both = torch.stack([t.to(torch.float32) for t in out_tokens] + out_logprobs).cpu()
+        toks = both[:k].t().tolist()
+        lps = both[k:].t().tolist()
+        return [[int(t) for t in row] for row in toks], lps
 
     def _sample(self, logits: torch.Tensor, reqs: list[LocalRequest]
-                ) -> tuple[list[int], list[float]]:
+                ) -> tuple[list[list[int]], list[list[float]]]:
+        import torch
+
+        tokens, logprobs = self._sample_device(logits, reqs)
+        both = torch.stack((tokens.to(torch.float32), logprobs)).cpu()
+        return [[int(t)] for t in both[0].tolist()], [[lp] for lp in both[1].tolist()]
+
+    def _sample_device(self, logits: torch.Tensor, reqs: list[LocalRequest]
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         import torch
 
         from palaestra.rollout.engines.sampling import sample_rows
 
         for row, req in enumerate(reqs):
-            if req.sampling.logit_bias:
+            if req.sampling.logit_bias:  # rare: the loop is cheap Python when unused
                 ids = torch.tensor([k for k, _ in req.sampling.logit_bias], device=logits.device)
                 vals = torch.tensor([v for _, v in req.sampling.logit_bias], device=logits.device)
                 logits[row].index_add_(0, ids, vals)
@@ -598,32 +660,51 @@ class LocalEngine:
             for row, req in enumerate(reqs):
                 if req.generator is not None:
                     uniforms[row] = torch.rand(1, generator=req.generator)[0]
-        tokens, logprobs = sample_rows(
+        return sample_rows(
             logits, [p.temperature for p in params], [p.top_p for p in params],
             [p.top_k for p in params], uniforms,
         )
-        return tokens.tolist(), logprobs.tolist()
 
     # --------------------------------------------------------------- bookkeeping (event loop)
-    def _after_step(self, reqs: list[LocalRequest], tokens: list[int], logprobs: list[float]
-                    ) -> None:
+    def _after_step(self, reqs: list[LocalRequest], tokens: list[list[int]],
+                    logprobs: list[list[float]]) -> None:
         if reqs and reqs[0] not in self._running:  # a prefill: the batch joins the running set
             self._running.extend(reqs)
+            self._share_prompts(reqs)
         finished: list[tuple[LocalRequest, str, dict[str, Any]]] = []
         version = self._version
-        for req, tok, lp in zip(reqs, tokens, logprobs):
+        generated = 0
+        for req, toks, lps in zip(reqs, tokens, logprobs):
             if not req.version_spans or req.version_spans[-1][1] != version:
                 req.version_spans.append((len(req.output_ids), version))
-            req.output_ids.append(tok)
-            req.logprobs.append(lp)
+            for i, (tok, lp) in enumerate(zip(toks, lps)):
+                req.output_ids.append(tok)
+                req.logprobs.append(lp)
+                generated += 1
+                done = self._stop_reason(req, tok)
+                if done is not None:
+                    finished.append((req, *done))
+                    toks, lps = toks[: i + 1], lps[: i + 1]
+                    break
             if req.stream is not None:
-                req.stream.put_nowait(StreamChunk((tok,), (lp,)))
-            done = self._stop_reason(req, tok)
-            if done is not None:
-                finished.append((req, *done))
-        self.counters["generated_tokens"] += len(tokens)
+                req.stream.put_nowait(StreamChunk(tuple(toks), tuple(lps)))
+        self.counters["generated_tokens"] += generated
         for req, reason, detail in sorted(finished, key=lambda f: -f[0].slot):
             self._retire(req, reason, detail)
+
+    def _share_prompts(self, reqs: list[LocalRequest]) -> None:
+        """Keep the prompt KV of prefilled requests that others are waiting to share."""
+        import torch
+
+        if self.prefix_cache is None:
+            return
+        with torch.inference_mode():
+            for r in reqs:
+                if r.share_prompt:
+                    r.share_prompt = False
+                    self.prefix_cache.insert(tuple(r.input_ids),
+                                             self.cache.extract(r.slot, len(r.input_ids)),
+                                             r.session_id)
 
     def _stop_reason(self, req: LocalRequest, tok: int) -> tuple[str, dict[str, Any]] | None:
         sp = req.sampling

@@ -139,6 +139,8 @@ class Decoder:
             self.layers.append(layer)
         self._views = self._build_views()
         self.cos, self.sin = _rope_tables(hf_config, c, self.device, dtype)
+        half = c.head_dim // 2  # rotate_half(x) * sin == swap_halves(x) * (sin with -first half)
+        self.sin = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
         self.scale = c.head_dim**-0.5
 
     def _build_views(self) -> dict[str, torch.Tensor]:
@@ -291,12 +293,13 @@ class Decoder:
         return model
 
     # ----------------------------------------------------------------------------- forward
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """``x * cos + rotate_half(x) * sin`` with the sign folded into ``sin_signed``."""
         import torch
 
         half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        return torch.addcmul(x * cos, swapped, sin_signed)
 
     def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -320,12 +323,13 @@ class Decoder:
         return qk[:, : c.num_heads], qk[:, c.num_heads :], v
 
     def _mlp_residual(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        import torch
         import torch.nn.functional as F
 
         c = self.config
         x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
         gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, layer.down_w)
+        return torch.addmm(h, F.silu(gate) * up, layer.down_w.t())  # residual fused in the GEMM
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         import torch.nn.functional as F
@@ -338,33 +342,44 @@ class Decoder:
                key_len: int) -> torch.Tensor:
         """One decode step for slots ``0..B-1`` (one token each at ``positions``); logits [B, V].
 
-        ``key_len`` must exceed every position; keys past a row's position are masked.
+        ``key_len`` must exceed every position; keys past a row's position are masked. Few
+        kernels per layer (this is what a CUDA graph replays): the KV write is one index_put
+        per tensor, the mask and the softmax scale ride inside one batched GEMM (baddbmm) over
+        ``B * kv_heads`` groups of ``heads / kv_heads`` queries, and residual adds ride inside
+        the output GEMMs (addmm).
         """
         import torch
         import torch.nn.functional as F
 
         c = self.config
         b = tokens.shape[0]
-        rep = c.num_heads // c.num_kv_heads
-        slots = torch.arange(b, device=tokens.device)
+        hkv, d = c.num_kv_heads, c.head_dim
+        rep = c.num_heads // hkv
+        cap = cache.k[0].shape[2]
+        dev = tokens.device
+        slots = torch.arange(b, device=dev)
+        # row of (slot, kv head, position) in a layer's cache viewed as [slots * hkv * cap, d]
+        rows = (slots[:, None] * hkv + torch.arange(hkv, device=dev)[None, :]) * cap
+        rows = rows + positions[:, None]
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        keys = torch.arange(key_len, device=tokens.device)
-        mask = torch.zeros(b, 1, 1, key_len, device=tokens.device, dtype=torch.float32)
-        mask.masked_fill_((keys[None, :] > positions[:, None]).view(b, 1, 1, key_len), float("-inf"))
+        keys = torch.arange(key_len, device=dev)
+        mask = torch.zeros(b, 1, key_len, device=dev, dtype=self.dtype)
+        mask.masked_fill_((keys[None, :] > positions[:, None]).unsqueeze(1), float("-inf"))
+        mask = mask.expand(b, hkv * rep, key_len).reshape(b * hkv, rep, key_len)
         h = F.embedding(tokens, self.embed)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(h, (c.hidden_size,), layer.in_norm, c.rms_norm_eps)
             q, k, v = self._qkv(layer, x, cos, sin)
-            cache.k[i][slots, :, positions] = k
-            cache.v[i][slots, :, positions] = v
-            keys_i = cache.k[i][:b, :, :key_len]
-            vals_i = cache.v[i][:b, :, :key_len]
-            qg = (q * self.scale).view(b, c.num_kv_heads, rep, c.head_dim)
-            scores = torch.matmul(qg, keys_i.transpose(-1, -2)).float() + mask
-            probs = torch.softmax(scores, dim=-1).to(vals_i.dtype)
-            attn = torch.matmul(probs, vals_i).view(b, self.q_dim)
-            h = h + F.linear(attn, layer.o_w)
+            cache.k[i].view(-1, d).index_put_((rows,), k)
+            cache.v[i].view(-1, d).index_put_((rows,), v)
+            keys_i = cache.k[i][:b, :, :key_len].reshape(b * hkv, key_len, d)
+            vals_i = cache.v[i][:b, :, :key_len].reshape(b * hkv, key_len, d)
+            scores = torch.baddbmm(mask, q.reshape(b * hkv, rep, d), keys_i.transpose(1, 2),
+                                   alpha=self.scale)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vals_i.dtype)
+            attn = torch.bmm(probs, vals_i).view(b, self.q_dim)
+            h = torch.addmm(h, attn, layer.o_w.t())
             h = self._mlp_residual(layer, h)
         return self._logits(h)
 
@@ -398,7 +413,7 @@ class Decoder:
             out = out.transpose(1, 2).reshape(r * t_max, self.q_dim)
             if batch.pad_index is not None:
                 out = out[batch.pad_index]
-            h = h + F.linear(out, layer.o_w)
+            h = torch.addmm(h, out, layer.o_w.t())
             h = self._mlp_residual(layer, h)
         return self._logits(h[batch.last_index])
 
@@ -418,7 +433,7 @@ class Decoder:
             q, k, v = self._qkv(layer, x, cos, sin)
             out = _attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                              v.transpose(0, 1)[None], None, self.scale)
-            h = h + F.linear(out[0].transpose(0, 1).reshape(n, self.q_dim), layer.o_w)
+            h = torch.addmm(h, out[0].transpose(0, 1).reshape(n, self.q_dim), layer.o_w.t())
             h = self._mlp_residual(layer, h)
         return self._logits(h)
 

@@ -57,8 +57,9 @@ def sample_rows(
     greedy = [t < 1e-6 or k == 1 for t, k in zip(temperatures, top_ks)]
     if all(greedy):
         tokens = logits.argmax(dim=-1)
-        logp = torch.log_softmax(logits, dim=-1)
-        return tokens, logp.gather(1, tokens[:, None]).squeeze(1)
+        # logit - logsumexp: one read of the logits, no [B, V] log_softmax written
+        logp = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        return tokens, logp
     temps = torch.tensor(
         [1.0 if g else t for g, t in zip(greedy, temperatures)], dtype=logits.dtype
     ).to(logits.device, non_blocking=True)

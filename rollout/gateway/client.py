@@ -22,6 +22,7 @@ from typing import Any
 
 from palaestra.errors import RolloutError, TrajectoryValidationError
 from palaestra.rollout.gateway.validation import trajectory_to_wire
+from palaestra.rollout.worker import GroupResult
 from palaestra.types import Trajectory
 
 
@@ -61,10 +62,24 @@ class TrajectoryClient:
         group_size: int | None = None,
     ) -> dict[str, Any]:
         """Post trajectories; returns the server's receipt (accepted count, group states)."""
-        data = json.dumps(self.payload(trajectories, group_id=group_id,
-                                       group_size=group_size)).encode()
+        return self._call("/trajectories", self.payload(
+            trajectories, group_id=group_id, group_size=group_size))
+
+    def take(self, max_groups: int | None = None) -> list[GroupResult]:
+        """Complete groups from a buffer server (removed there), as `GroupResult`s."""
+        from palaestra.rollout.gateway.validation import parse_trajectory
+
+        body = self._call("/trajectories/take", {"max_groups": max_groups})
+        return [
+            GroupResult(g["group_id"], tuple(
+                parse_trajectory(t, f"groups[{i}]", g["group_id"], vocab_size=None, version=0)
+                for t in g["trajectories"]), -1)
+            for i, g in enumerate(body["groups"])
+        ]
+
+    def _call(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(
-            f"{self.url}/trajectories", data=data, method="POST",
+            f"{self.url}{path}", data=json.dumps(body).encode(), method="POST",
             headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:

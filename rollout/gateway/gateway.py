@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from time import perf_counter
 from typing import Any
@@ -162,7 +162,8 @@ class Gateway:
                 raise GatewayError(session.stop_detail, 502, "engine_error") from None
             finally:
                 session.counters["engine_ms"] += int((perf_counter() - began) * 1000)
-            wire, _ = self.chat.reply(tokens, session.calls)
+            wire, _ = self.chat.reply(tokens, session.calls,
+                                      parse_tools=body.get("tool_choice") != "none")
             reply = Message.from_dict(wire)
             record = session.commit(plan, tools, reply, tokens, lps, versions)
         finish_reason = "tool_calls" if wire.get("tool_calls") else (
@@ -284,4 +285,4 @@ def _parse_request(body: Mapping[str, Any]) -> tuple[list[Message], list[dict[st
     return messages, [dict(t) for t in tools]
 
 
-__all__ = ["Completion", "Gateway", "MAX_ABORTS", "token_versions"]
+__all__ = ["MAX_ABORTS", "Completion", "Gateway", "token_versions"]

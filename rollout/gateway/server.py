@@ -12,8 +12,9 @@ Routes (``{sid}`` is a session id; the plain ``/v1/...`` routes read it from the
   "group_id", "group_size"?, "task_id"?}``): turn its samples into a trajectory in the buffer.
 - ``POST /trajectories``: finished trajectories from external generators (validated strictly, see
   `palaestra.rollout.gateway.validation`); ``POST /trajectories/claim`` (``{"group_id"}``): hand
-  one trajectory of a complete group to a rollout worker in another process; ``GET
-  /trajectories``: buffer counters.
+  one trajectory of a complete group to a rollout worker in another process; ``POST
+  /trajectories/take`` (``{"max_groups"?}``): complete groups for a trainer in another process;
+  ``GET /trajectories``: buffer counters.
 - ``GET /health``.
 
 Errors are OpenAI error bodies ``{"error": {"message", "type", "code"}}`` with a 4xx/5xx status.
@@ -85,48 +86,51 @@ async def _json_body(request: web.Request) -> Any:
         raise GatewayError(f"the body is not valid JSON: {exc}") from None
 
 
-def build_app(gateway: Gateway, buffer: TrajectoryBuffer | None = None) -> web.Application:
-    """The aiohttp application of a gateway (and of its trajectory buffer, if any)."""
+def build_app(gateway: Gateway | None, buffer: TrajectoryBuffer | None = None
+              ) -> web.Application:
+    """The aiohttp application of a gateway and/or a trajectory buffer."""
     from aiohttp import web
 
     app = web.Application(client_max_size=MAX_BODY_BYTES)
-    app["gateway"] = gateway
-    app["buffer"] = buffer
+    if gateway is None and buffer is None:
+        raise ValueError("serve a gateway, a trajectory buffer or both")
+
+    gw: Gateway = gateway  # type: ignore[assignment]  # only used by gateway routes
 
     def sid_of(request: web.Request) -> str | None:
         return request.match_info.get("sid") or request.headers.get(SESSION_HEADER)
 
     async def models(request: web.Request) -> web.Response:
-        card = {"id": gateway.model_name, "object": "model", "created": 0,
-                "owned_by": "palaestra", "max_model_len": gateway.max_context}
+        card = {"id": gw.model_name, "object": "model", "created": 0,
+                "owned_by": "palaestra", "max_model_len": gw.max_context}
         return web.json_response({"object": "list", "data": [card]})
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await _json_body(request)
-        session = gateway.session(sid_of(request))
+        session = gw.session(sid_of(request))
         if not isinstance(body, dict):
             raise GatewayError("the request body must be a JSON object")
-        done = await gateway.complete(session, body)
-        model = body.get("model") or gateway.model_name
+        done = await gw.complete(session, body)
+        model = body.get("model") or gw.model_name
         if body.get("stream"):
             return await _stream(request, done, model, body)
-        return web.json_response(_completion_json(done, model, body, gateway))
+        return web.json_response(_completion_json(done, model, body, gw))
 
     async def create_session(request: web.Request) -> web.Response:
         body = await _json_body(request)
         if not isinstance(body, dict):
             raise GatewayError("the body must be a JSON object")
-        session = gateway.open_session(
+        session = gw.open_session(
             body.get("session_id"), max_calls=body.get("max_calls"),
             call_timeout_s=body.get("call_timeout_s"), metadata=body.get("metadata"))
         base = f"{request.scheme}://{request.host}/sessions/{session.id}/v1"
         return web.json_response({"session_id": session.id, "base_url": base})
 
     async def get_session(request: web.Request) -> web.Response:
-        return web.json_response(gateway.session(request.match_info["sid"]).summary())
+        return web.json_response(gw.session(request.match_info["sid"]).summary())
 
     async def delete_session(request: web.Request) -> web.Response:
-        return web.json_response(gateway.close_session(request.match_info["sid"]).summary())
+        return web.json_response(gw.close_session(request.match_info["sid"]).summary())
 
     async def finish_session(request: web.Request) -> web.Response:
         if buffer is None:
@@ -134,11 +138,11 @@ def build_app(gateway: Gateway, buffer: TrajectoryBuffer | None = None) -> web.A
         body = await _json_body(request)
         if not isinstance(body, dict) or "reward" not in body or "group_id" not in body:
             raise GatewayError("finish needs {'reward': float, 'group_id': str}")
-        session = gateway.session(request.match_info["sid"])
+        session = gw.session(request.match_info["sid"])
         from palaestra.rollout.gateway.validation import finite_number
 
         reward = finite_number(body["reward"], "reward")
-        gateway.close_session(session.id)
+        gw.close_session(session.id)
         samples = session.to_samples(reward=reward, stop_reason=StopReason.TERMINATED,
                                      task_id=str(body.get("task_id", "")),
                                      group_id=str(body["group_id"]))
@@ -172,24 +176,40 @@ def build_app(gateway: Gateway, buffer: TrajectoryBuffer | None = None) -> web.A
 
         return web.json_response(trajectory_to_wire(traj))
 
+    async def take(request: web.Request) -> web.Response:
+        if buffer is None:
+            raise GatewayError("this server has no trajectory buffer", 404)
+        body = await _json_body(request)
+        limit = body.get("max_groups") if isinstance(body, dict) else None
+        from palaestra.rollout.gateway.validation import trajectory_to_wire
+
+        groups = buffer.take(int(limit) if limit is not None else None)
+        return web.json_response({"groups": [
+            {"group_id": g.group_id, "trajectories": [trajectory_to_wire(t) for t in g.trajectories]}
+            for g in groups]})
+
     async def buffer_stats(request: web.Request) -> web.Response:
         if buffer is None:
             raise GatewayError("this server has no trajectory buffer", 404)
         return web.json_response(buffer.stats())
 
     async def health(request: web.Request) -> web.Response:
+        if gateway is None:
+            return web.json_response({"ok": True})
         return web.json_response({"ok": True, "sessions": len(gateway.sessions),
                                   "totals": gateway.totals})
 
-    for prefix in ("", "/sessions/{sid}"):
-        app.router.add_get(f"{prefix}/v1/models", _errors(models))
-        app.router.add_post(f"{prefix}/v1/chat/completions", _errors(chat))
-    app.router.add_post("/sessions", _errors(create_session))
-    app.router.add_get("/sessions/{sid}", _errors(get_session))
-    app.router.add_delete("/sessions/{sid}", _errors(delete_session))
-    app.router.add_post("/sessions/{sid}/finish", _errors(finish_session))
+    if gateway is not None:
+        for prefix in ("", "/sessions/{sid}"):
+            app.router.add_get(f"{prefix}/v1/models", _errors(models))
+            app.router.add_post(f"{prefix}/v1/chat/completions", _errors(chat))
+        app.router.add_post("/sessions", _errors(create_session))
+        app.router.add_get("/sessions/{sid}", _errors(get_session))
+        app.router.add_delete("/sessions/{sid}", _errors(delete_session))
+        app.router.add_post("/sessions/{sid}/finish", _errors(finish_session))
     app.router.add_post("/trajectories", _errors(post_trajectories))
     app.router.add_post("/trajectories/claim", _errors(claim))
+    app.router.add_post("/trajectories/take", _errors(take))
     app.router.add_get("/trajectories", _errors(buffer_stats))
     app.router.add_get("/health", _errors(health))
     return app
@@ -259,7 +279,7 @@ async def _stream(request: web.Request, done: Completion, model: str,
 class RunningGateway:
     """A gateway server started by `serve_gateway`; ``await close()`` stops the server."""
 
-    gateway: Gateway
+    gateway: Gateway | None
     url: str
     unix_path: str | None
     runner: web.AppRunner
@@ -275,14 +295,15 @@ class RunningGateway:
 
 
 async def serve_gateway(
-    gateway: Gateway,
+    gateway: Gateway | None,
     *,
     host: str = "127.0.0.1",
     port: int = 0,
     unix_path: str | None = None,
     buffer: TrajectoryBuffer | None = None,
 ) -> RunningGateway:
-    """Serve ``gateway`` on ``host:port`` (0 = a free port) and, if given, a Unix socket."""
+    """Serve ``gateway`` (and/or ``buffer``) on ``host:port`` (0 = a free port) and, if given, a
+    Unix socket. ``serve_gateway(None, buffer=buffer)`` is a plain rollout buffer server."""
     from aiohttp import web
 
     runner = web.AppRunner(build_app(gateway, buffer), access_log=None)

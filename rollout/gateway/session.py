@@ -269,17 +269,17 @@ class Session:
 def _aligned(ledger: SampleLedger, messages: Sequence[Message]) -> tuple[bool, str]:
     """Whether ``messages`` extend the ledger's conversation (see the module docstring)."""
     conv = ledger.conversation
-    if len(messages) <= len(conv):
-        return False, (
-            f"the request has {len(messages)} messages and the sample's conversation already "
-            f"{len(conv)}: the history was rewound or the call repeated"
-        )
     for i, (sent, ours) in enumerate(zip(messages, conv)):
         if i in ledger.replies_at:
             if not same_reply(sent, ours):
                 return False, f"message {i} (assistant) differs from the reply the gateway returned"
         elif sent != ours:
             return False, f"message {i} ({sent.role}) was edited"
+    if len(messages) <= len(conv):
+        return False, (
+            f"the request has {len(messages)} messages and the sample's conversation already "
+            f"{len(conv)}: the history was cut or the call repeated"
+        )
     return True, ""
 
 

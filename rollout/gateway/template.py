@@ -132,18 +132,20 @@ class ChatTokens:
         return full[len(head) :]
 
     # ------------------------------------------------------------------ parsing a reply
-    def reply(self, turn_ids: Sequence[int], call_index: int) -> tuple[dict[str, Any], str]:
+    def reply(self, turn_ids: Sequence[int], call_index: int, *, parse_tools: bool = True
+              ) -> tuple[dict[str, Any], str]:
         """The OpenAI assistant message for one turn's sampled ids, and its decoded text.
 
         Families whose tool calls live in the template (Qwen/Hermes, Llama 3) answer with
         structured ``tool_calls`` when every call decodes; a call that does not decode leaves
         the whole text as content (the client sees what the model wrote). Text-protocol families
-        (Search-R1, python blocks) answer with the text.
+        (Search-R1, python blocks) answer with the text, as does ``parse_tools=False``
+        (``tool_choice: "none"``).
         """
         closed = bool(turn_ids) and turn_ids[-1] in self.stop_token_ids
         text = self.decode(turn_ids[:-1] if closed else turn_ids)
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        if not self.renderer.tool_calls_in_template:
+        if not (parse_tools and self.renderer.tool_calls_in_template):
             return message, text
         parsed = self.renderer.parse(text)
         reasoning, body = split_reasoning(text)

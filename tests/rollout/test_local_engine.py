@@ -21,18 +21,21 @@ from palaestra.rollout import DataSource, EngineSpec, RolloutConfig, RolloutMana
 from palaestra.rollout.engines.base import SamplingParams
 
 
-def _serve(model_dir: str, log: Path) -> tuple[subprocess.Popen, str]:
-    out = log.open("w")
-    proc = subprocess.Popen(
+def _serve(model_dir: str, log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
         [sys.executable, "-m", "palaestra", "serve", "--model", model_dir, "--port", "0",
          "--threads", "1", "--max-running", "64"],
-        stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=log.open("w"), stderr=subprocess.STDOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
-    deadline = time.monotonic() + 180
+
+
+def _url(proc: subprocess.Popen, log: Path) -> str:
+    deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         found = re.search(r"on (http://\S+)", log.read_text())
         if found:
-            return proc, found.group(1)
+            return found.group(1)
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError(f"palaestra serve did not start:\n{log.read_text()[-2000:]}")
@@ -40,16 +43,18 @@ def _serve(model_dir: str, log: Path) -> tuple[subprocess.Popen, str]:
 
 @pytest.fixture(scope="module")
 def servers(model_dir, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("serve-logs")
-    started = [_serve(model_dir, logs / "a.log"), _serve(model_dir, logs / "b.log")]
-    yield started
-    for proc, _ in started:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    logs = [tmp_path_factory.mktemp("serve-logs") / f"{i}.log" for i in range(2)]
+    procs = [_serve(model_dir, log) for log in logs]  # both start at once
+    try:
+        yield [(p, _url(p, log)) for p, log in zip(procs, logs)]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
 
 def http_config(model_dir: str, urls: list[str], max_new_tokens: int = 24) -> WorkerConfig:
@@ -96,6 +101,11 @@ async def test_killing_one_engine_mid_rollout_loses_no_episode(ray_pool, servers
             assert not run.done()
         servers[1][0].kill()
         batch = await run
+        stats = await m.worker_stats()
     assert len(batch.group_ids) == 48 and len(batch.samples) == 192
     assert batch.metrics["episodes/failed"] == 0, [t.error for t in batch.failed][:3]
     assert batch.metrics["episodes/finished"] == 192
+    dead = [e for w in stats for e in w["engines"] if e["name"] == servers[1][1]]
+    assert any(e["failures"] > 0 and not e["healthy"] for e in dead)  # requests moved over
+    used = {e["name"] for w in stats for e in w["engines"] if e["served"] > 0}
+    assert used == set(urls)  # both engines served episodes before the kill

@@ -2,13 +2,30 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
 import pytest
 
-#: secret planted in the host environment (by conftest) before any sandbox starts
+#: secret planted in the host environment while the sandboxes under test run
 HOST_SECRET = "palaestra-host-secret-5f1e"
+SECRET_VARS = ("PALAESTRA_TEST_SECRET", "AWS_SECRET_ACCESS_KEY")
+
+
+@contextlib.contextmanager
+def planted_secrets():
+    """Put ``HOST_SECRET`` into the host environment, restoring it afterwards."""
+    saved = {k: os.environ.get(k) for k in SECRET_VARS}
+    os.environ.update({k: HOST_SECRET for k in SECRET_VARS})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 @functools.lru_cache(maxsize=1)
 def docker_status() -> tuple[bool, str]:
     """(usable, reason) for the Docker backend on this machine."""

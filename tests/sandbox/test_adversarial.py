@@ -19,14 +19,15 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-
-from palaestra.sandbox import ExecResult, Sandbox
 from sandbox_testutil import (
     HOST_SECRET,
     host_processes_matching,
+    planted_secrets,
     processes_with_uid_in,
     requires_docker,
 )
+
+from palaestra.sandbox import ExecResult, Sandbox
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -42,8 +43,9 @@ print(json.dumps({"files": sorted(os.listdir(".")),
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=[
     "local", pytest.param("docker", marks=[pytest.mark.docker, requires_docker()])])
 async def sb(request: pytest.FixtureRequest):
-    async with Sandbox(backend=request.param, memory_mb=256, max_processes=48) as box:
-        yield box
+    with planted_secrets():  # in the host environment for the whole module
+        async with Sandbox(backend=request.param, memory_mb=256, max_processes=48) as box:
+            yield box
 
 
 async def assert_clean(box: Sandbox) -> None:
@@ -188,10 +190,11 @@ async def test_sockets_loopback_and_outside_are_blocked(sb: Sandbox) -> None:
     udp_port = udp.getsockname()[1]
     code = f"""
 import socket
-for name, fam, kind, addr in [("tcp-loopback", socket.AF_INET, socket.SOCK_STREAM, ("127.0.0.1", {port})),
-                              ("tcp-outside", socket.AF_INET, socket.SOCK_STREAM, ("1.1.1.1", 80)),
-                              ("tcp6", socket.AF_INET6, socket.SOCK_STREAM, ("::1", {port})),
-                              ("udp-loopback", socket.AF_INET, socket.SOCK_DGRAM, ("127.0.0.1", {udp_port}))]:
+TCP, UDP, V4, V6 = socket.SOCK_STREAM, socket.SOCK_DGRAM, socket.AF_INET, socket.AF_INET6
+for name, fam, kind, addr in [("tcp-loopback", V4, TCP, ("127.0.0.1", {port})),
+                              ("tcp-outside", V4, TCP, ("1.1.1.1", 80)),
+                              ("tcp6", V6, TCP, ("::1", {port})),
+                              ("udp-loopback", V4, UDP, ("127.0.0.1", {udp_port}))]:
     try:
         s = socket.socket(fam, kind)
         s.settimeout(2)

@@ -145,3 +145,16 @@ async def test_shared_limiter_bounds_several_sandboxes() -> None:
         ra, rb = await asyncio.gather(a.run(code), b.run(code))
     starts = sorted(float(r.stdout) for r in (ra, rb))
     assert starts[1] - starts[0] >= 0.25  # the second waited for the first
+
+
+def test_a_sandbox_survives_a_change_of_event_loop() -> None:
+    """Sync env code calls ``asyncio.run`` per step: one sandbox must serve every such loop."""
+    sb = Sandbox()
+
+    async def step(code: str) -> str:
+        await sb.start()
+        return (await sb.run(code)).stdout
+
+    assert asyncio.run(step("print('first loop')")) == "first loop\n"
+    assert asyncio.run(step("print('second loop')")) == "second loop\n"
+    asyncio.run(sb.close())

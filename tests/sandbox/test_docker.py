@@ -7,9 +7,9 @@ import json
 
 import pytest
 import pytest_asyncio
+from sandbox_testutil import requires_docker
 
 from palaestra.sandbox import ExecResult, Sandbox
-from sandbox_testutil import requires_docker
 
 pytestmark = [pytest.mark.docker, requires_docker(), pytest.mark.asyncio(loop_scope="module")]
 
@@ -28,8 +28,9 @@ try:
     open('/usr/evil', 'w'); root_rw = True
 except OSError:
     root_rw = False
+net = '/sys/class/net'
 print(json.dumps({"uid": os.getuid(), "caps": caps, "root_rw": root_rw,
-                  "ifaces": sorted(os.listdir('/sys/class/net')) if os.path.isdir('/sys/class/net') else []}))
+                  "ifaces": sorted(os.listdir(net)) if os.path.isdir(net) else []}))
 """
     res = await sb.run(code)
     assert res.ok, res

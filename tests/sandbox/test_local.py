@@ -11,9 +11,9 @@ import uuid
 
 import pytest
 import pytest_asyncio
+from sandbox_testutil import host_processes_matching, processes_with_uid_in
 
 from palaestra.sandbox import ExecResult, Sandbox, SandboxError, SandboxFileError
-from sandbox_testutil import host_processes_matching, processes_with_uid_in
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -60,7 +60,8 @@ async def test_each_run_gets_a_fresh_directory(sb: Sandbox) -> None:
     assert first.ok and second.ok
     assert first.stdout.strip() != second.stdout.split()[0]
     assert second.stdout.split(maxsplit=1)[1].strip() == "[]"
-    assert not os.path.exists(first.stdout.strip())  # deleted on the host
+    gone = await sb.run(f"import os\nprint(os.path.exists({first.stdout.strip()!r}))")
+    assert gone.stdout == "False\n"  # the first run's directory was deleted
 
 
 async def test_stderr_is_capped_too(sb: Sandbox) -> None:
@@ -93,8 +94,10 @@ async def test_session_keeps_its_directory(sb: Sandbox) -> None:
         with pytest.raises(SandboxError, match="relative path"):
             await s.write_file("../escape", b"x")
         workdir = s.workdir
-        assert os.path.isdir(workdir)
-    assert not os.path.exists(workdir)
+        res = await s.run("import os\nprint(os.getcwd())")
+        assert res.stdout == f"{workdir}\n"
+    gone = await sb.run(f"import os\nprint(os.path.exists({workdir!r}))")
+    assert gone.stdout == "False\n"  # closing the session deleted its directory
     with pytest.raises(SandboxError, match="closed"):
         await s.run("print(1)")
 
@@ -169,9 +172,12 @@ async def test_worker_crash_gives_an_error_result_then_recovers(sb: Sandbox) -> 
     os.killpg(worker._proc.pid, signal.SIGKILL)  # the whole worker dies mid-run
     res = await asyncio.wait_for(task, 20)
     assert isinstance(res, ExecResult) and res.error and res.exit_code == -1
-    res = await sb.run("print('back')")
-    assert res.ok and res.stdout == "back\n"
-    assert sb._workers[0] is not worker  # type: ignore[attr-defined]
+    assert worker.closed
+    results = await asyncio.gather(*(sb.run("print('back')") for _ in range(6)))
+    assert all(r.ok and r.stdout == "back\n" for r in results)
+    await asyncio.sleep(0)
+    fresh = await sb._worker(0)  # type: ignore[attr-defined]
+    assert fresh is not worker and not fresh.closed
 
 
 async def test_cancelled_run_leaves_nothing_behind(sb: Sandbox) -> None:
@@ -196,4 +202,6 @@ async def test_no_stray_uids_or_directories_when_idle(sb: Sandbox) -> None:
     uids = sb._uids  # type: ignore[attr-defined]
     if uids is not None:
         assert processes_with_uid_in(uids.base, uids.base + 4096) == []
-    assert [d for d in os.listdir(sb._root) if d.startswith("r")] == []  # type: ignore[attr-defined]
+    res = await sb.run("import os\nprint([p for p in (f'/sandbox/r{i}' for i in range(1, 400))\n"
+                       "       if os.path.exists(p) and p != os.getcwd()])")
+    assert res.stdout == "[]\n"  # no run directory outlives its run

@@ -93,14 +93,20 @@ def sdpa_thd(
 
     ``cu_seqlens`` (int32, ``[n + 1]``) delimits the sequences; tokens never attend across them.
     ``use_varlen`` forces (True) or forbids (False) the variable-length flash kernel; the default
-    uses it on CUDA without dropout when this torch has it.
+    uses it on CUDA for fp16/bf16 without dropout when this torch has it, and plain SDPA when the
+    pack holds a single sequence.
     """
     import torch
     import torch.nn.functional as F
 
+    if use_varlen is None and cu_seqlens.numel() == 2 and max_seqlen == query.shape[0]:
+        # one sequence: plain causal SDPA (torch picks cuDNN/flash), no host sync
+        return sdpa_bshd(query[:, None], key[:, None], value[:, None], scale=scale,
+                         dropout_p=dropout_p)[:, 0]
     kwargs = _varlen_kwargs()
     if use_varlen is None:
-        use_varlen = query.is_cuda and dropout_p == 0.0 and kwargs is not None
+        use_varlen = (query.is_cuda and dropout_p == 0.0 and kwargs is not None
+                      and query.dtype in (torch.float16, torch.bfloat16))
     if use_varlen:
         if kwargs is None:
             raise RuntimeError("this torch has no torch.nn.attention.varlen.varlen_attn")
@@ -120,5 +126,6 @@ def sdpa_thd(
                 q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=gqa
             ).transpose(0, 1)
         )
-    out = torch.cat(outs, dim=0) if outs else query.new_zeros(query.shape)
-    return out.reshape(query.shape[0], -1)
+    if bounds[-1] < query.shape[0]:  # tokens after the last sequence attend to nothing
+        outs.append(query.new_zeros(query.shape[0] - bounds[-1], *query.shape[1:]))
+    return torch.cat(outs, dim=0).reshape(query.shape[0], -1)

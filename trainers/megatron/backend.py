@@ -99,6 +99,16 @@ class MegatronBackend:
         self.model, self.optimizer = self._wrap(model)
         self.step = 0
 
+    @classmethod
+    def from_pretrained(
+        cls, model_path: str | os.PathLike[str], cfg: MegatronBackendConfig | None = None
+    ) -> MegatronBackend:
+        """A backend from an HF model directory (config.json + *.safetensors)."""
+        config_file = Path(model_path) / "config.json"
+        if not config_file.exists():
+            raise CheckpointError(f"{config_file} is missing; is {model_path} an HF model dir?")
+        return cls(json.loads(config_file.read_text()), cfg, model_path=model_path)
+
     # construction --------------------------------------------------------------------------
     def _wrap(self, model: Any) -> tuple[Any, Any]:
         from megatron.core.distributed import (
@@ -175,8 +185,14 @@ class MegatronBackend:
             pos = torch.cat([pos, torch.arange(pad, device=pos.device)[None]], dim=1)
             lengths = [*lengths, pad]
         cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        cu_dev = cu.to(self.device)
+        # Without TE, megatron applies THD RoPE per sequence and reads the boundaries with
+        # .tolist(): reading them from a host copy (the "_padded" fields, which only RoPE uses
+        # then; there is no padding) saves two device syncs per layer. TE needs device tensors.
+        host = None if self.use_te else cu
         packed = PackedSeqParams(
-            qkv_format="thd", cu_seqlens_q=cu.to(self.device), cu_seqlens_kv=cu.to(self.device),
+            qkv_format="thd", cu_seqlens_q=cu_dev, cu_seqlens_kv=cu_dev,
+            cu_seqlens_q_padded=host, cu_seqlens_kv_padded=host,
             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),
         )
         out = model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=packed)
@@ -201,11 +217,8 @@ class MegatronBackend:
         )
 
     # interface -----------------------------------------------------------------------------
-    def forward_logprobs(self, batch: TrainBatch) -> tuple[torch.Tensor, ...]:
-        """Per-token logprobs of every sequence (1-D, aligned with the tokens, 0 at position 0).
-
-        Collective over the model- and data-parallel groups; every rank gets the whole batch.
-        """
+    def _forward_all(self, batch: TrainBatch, with_entropy: bool
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         import torch
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
@@ -213,14 +226,16 @@ class MegatronBackend:
         from palaestra.trainers.batching import make_micro_batches
 
         local = self._local_indices(batch)
-        result: dict[int, torch.Tensor] = {}
+        result: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         if local:
             mbs = make_micro_batches(batch, self.cfg.forward_max_tokens, pack=True, fields={},
                                      subset=local)
 
             def collect(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
-                logp, _ = self._logprobs(logits, mb, with_entropy=False)
-                per_seq = {i: t.float().cpu() for i, t in zip(mb.indices, mb.unpack(logp))}
+                logp, ent = self._logprobs(logits, mb, with_entropy=with_entropy)
+                ents = mb.unpack(ent) if ent is not None else [None] * len(mb.indices)
+                per_seq = {i: (lp.float().cpu(), None if e is None else e.float().cpu())
+                           for i, lp, e in zip(mb.indices, mb.unpack(logp), ents)}
                 return logits.sum() * 0.0, per_seq
 
             self.model.eval()
@@ -233,10 +248,36 @@ class MegatronBackend:
             # the last pipeline stage of each DP rank holds results; share them with everyone
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, result if ps.is_pipeline_last_stage() else {})
-        merged: dict[int, torch.Tensor] = {}
+        merged: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for part in gathered:
             merged.update(part)
-        return tuple(merged[i] for i in range(batch.num_sequences))
+        logps = [merged[i][0] for i in range(batch.num_sequences)]
+        ents = [merged[i][1] for i in range(batch.num_sequences)] if with_entropy else None
+        return logps, ents  # type: ignore[return-value]
+
+    def forward_logprobs(self, batch: TrainBatch, *, ref: bool = False) -> list[torch.Tensor]:
+        """``log pi(token_t | tokens_<t)`` of every token (0 at position 0), one per sequence.
+
+        float32 on CPU, aligned with ``Sample.logprobs_T``. Collective over the model- and
+        data-parallel groups; every rank gets the whole result. This backend keeps no reference
+        model: for ``ref=True`` build a second backend from the reference weights.
+        """
+        if ref:
+            raise ConfigError(
+                "MegatronBackend keeps no reference model; build a second MegatronBackend from "
+                "the reference weights and call its forward_logprobs(batch)"
+            )
+        return self._forward_all(batch, with_entropy=False)[0]
+
+    def forward_logprobs_with_entropy(
+        self, batch: TrainBatch, *, ref: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Token logprobs and the entropy of each next-token distribution (same alignment)."""
+        if ref:
+            return self.forward_logprobs(batch, ref=True), []  # raises
+        logps, ents = self._forward_all(batch, with_entropy=True)
+        assert ents is not None
+        return logps, ents
 
     def train_step(self, batch: TrainBatch, loss_cfg: Any) -> dict[str, float]:
         """One optimizer step on ``batch`` under ``loss_cfg`` (an algorithms.LossConfig).
@@ -294,13 +335,30 @@ class MegatronBackend:
                        lr=float(self.optimizer.param_groups[0]["lr"]))
         return metrics
 
-    def state_dict_for_engines(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, full tensor) pairs of this pipeline stage, streamed (collective over TP/EP)."""
-        return iter_hf_weights(self.model, self.arch)
+    def state_dict_for_engines(
+        self, *, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+    ) -> dict[str, torch.Tensor]:
+        """Full weights under HF names (the HF model's ``state_dict()`` keys), a snapshot.
 
-    def weight_buckets(self, bucket_bytes: int = 1 << 30) -> Iterator[Bucket]:
-        """`state_dict_for_engines` grouped in buckets of about ``bucket_bytes``."""
-        return iter_hf_buckets(self.model, self.arch, bucket_bytes=bucket_bytes)
+        Tied models list ``lm_head.weight`` too, sharing the embedding's tensor. Collective over
+        TP/EP; with PP each stage returns its own layers. ``dtype`` casts (e.g. bf16 for SGLang).
+        """
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in iter_hf_weights(self.model, self.arch):
+            out[name] = tensor.detach().to(device=device, dtype=dtype or tensor.dtype, copy=True)
+        if self.arch.tie_embeddings and "model.embed_tokens.weight" in out:
+            out["lm_head.weight"] = out["model.embed_tokens.weight"]
+        return out
+
+    def iter_engine_weight_buckets(
+        self, bucket_bytes: int = 512 << 20, *, dtype: torch.dtype | None = None
+    ) -> Iterator[Bucket]:
+        """HF-named full tensors in buckets of at most ``bucket_bytes``, streamed on the device.
+
+        Not snapshots: consume each bucket before the next train_step. Tied heads appear once
+        (as ``model.embed_tokens.weight``), as in HF checkpoints.
+        """
+        return iter_hf_buckets(self.model, self.arch, bucket_bytes=bucket_bytes, dtype=dtype)
 
     def sync_weights(self, consumer: Callable[[Bucket], None], bucket_bytes: int = 1 << 30
                      ) -> SyncStats:
@@ -320,7 +378,7 @@ class MegatronBackend:
         chained = getattr(self.optimizer, "chained_optimizers", None) or [self.optimizer]
         return [o.optimizer for o in chained]
 
-    def save(self, path: str | os.PathLike[str]) -> None:
+    def save(self, path: str | os.PathLike[str], *, extra: dict[str, Any] | None = None) -> Path:
         """Model, optimizer state, fp32 main weights and step; a directory per model rank.
 
         The optimizer file is per data-parallel rank (the distributed optimizer shards it), so
@@ -334,8 +392,8 @@ class MegatronBackend:
         rank_dir.mkdir(parents=True, exist_ok=True)
         dp_rank = ps.get_data_parallel_rank()
         if dp_rank == 0:
-            torch.save({"model": unwrap(self.model).state_dict(), "step": self.step},
-                       rank_dir / "model.pt")
+            torch.save({"model": unwrap(self.model).state_dict(), "step": self.step,
+                        "extra": extra or {}}, rank_dir / "model.pt")
         inner = self._inner_optimizers()
         torch.save({
             "state": [o.state_dict() for o in inner],
@@ -344,9 +402,10 @@ class MegatronBackend:
         }, rank_dir / f"optim_dp{dp_rank:03d}.pt")
         if dp_rank == 0 and ps.get_tensor_model_parallel_rank() == 0:
             (root / "config.json").write_text(json.dumps(self.hf_config, indent=1, default=str))
+        return root
 
-    def load(self, path: str | os.PathLike[str]) -> None:
-        """Restore what `save` wrote (same parallel layout)."""
+    def load(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        """Restore what `save` wrote (same parallel layout); returns ``step`` and ``extra``."""
         import torch
         from megatron.core import parallel_state as ps
 
@@ -372,8 +431,10 @@ class MegatronBackend:
                     p.copy_(m)
                 o.load_state_dict(o_state)
         self.step = int(state["step"])
+        return {"step": self.step, "extra": state.get("extra", {})}
 
-    def export_hf(self, path: str | os.PathLike[str], *, shard_bytes: int = 4 << 30) -> None:
+    def export_hf(self, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
+                  shard_bytes: int = 4 << 30) -> Path:
         """Write an HF checkpoint (safetensors shards + index + config.json) of the current weights.
 
         Collective; only global rank 0 writes. Pipeline parallelism: not yet (each stage holds
@@ -390,7 +451,8 @@ class MegatronBackend:
         if writer:
             out.mkdir(parents=True, exist_ok=True)
         index: dict[str, str] = {}
-        for k, bucket in enumerate(iter_hf_buckets(self.model, self.arch, bucket_bytes=shard_bytes)):
+        buckets = iter_hf_buckets(self.model, self.arch, bucket_bytes=shard_bytes, dtype=dtype)
+        for k, bucket in enumerate(buckets):
             if not writer:
                 continue
             name = f"model-{k:05d}.safetensors"
@@ -401,3 +463,10 @@ class MegatronBackend:
             (out / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {}, "weight_map": index}, indent=1))
             (out / "config.json").write_text(json.dumps(self.hf_config, indent=1, default=str))
+        return out
+
+    def num_parameters(self) -> int:
+        """Parameters of the full model (all ranks together), as the HF model counts them."""
+        from palaestra.trainers.megatron.flops import param_count
+
+        return param_count(self.arch).total

@@ -168,6 +168,13 @@ def build_gpt_model(
         rope_scaling=arch.llama3_rope_factor is not None,
         rope_scaling_factor=arch.llama3_rope_factor or 8.0,
     )
+    # megatron's torch-norm wrapper creates fp32 weights whatever params_dtype says (megatron's
+    # own training casts through Float16Module); mixed dtypes would miss the fused norm kernel.
+    # Parameters only: buffers such as MoE token counters stay as they are.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dtype != config.params_dtype:
+                p.data = p.data.to(config.params_dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -103,8 +103,7 @@ def module_copier(module: Any) -> Callable[[Bucket], None]:
     """
     import torch
 
-    params = dict(module.named_parameters())
-    params.update(dict(module.named_buffers()))
+    params = dict(module.named_parameters(remove_duplicate=False))  # tied aliases included
 
     def target(name: str) -> torch.Tensor:
         if name in params:

@@ -300,3 +300,42 @@ def test_usable_from_sync_code_twice(model_dir: str) -> None:
     b = run_sync(eng.generate([5, 6, 7], GREEDY))
     assert a.token_ids == b.token_ids
     run_sync(eng.close())
+
+
+async def test_multi_step_decode_equals_single_step(model_dir: str) -> None:
+    """Several decode steps per host sync (the CUDA default) change nothing in the results."""
+    batch = prompts(10, seed=13)
+    single, multi = LocalEngine(model_dir, decode_steps=1), LocalEngine(model_dir, decode_steps=4)
+    try:
+        first = await single.generate(batch[0], GREEDY)
+        stop = first.token_ids[2]  # a stop token that the first request meets mid-call
+        params = [SamplingParams(max_new_tokens=5 + i, temperature=0.9 if i % 2 else 0,
+                                 seed=i, stop_token_ids=(stop,)) for i in range(10)]
+        a = await asyncio.gather(*(single.generate(p, s) for p, s in zip(batch, params)))
+        b = await asyncio.gather(*(multi.generate(p, s) for p, s in zip(batch, params)))
+        assert [g.token_ids for g in a] == [g.token_ids for g in b]
+        assert [g.finish_reason for g in a] == [g.finish_reason for g in b]
+        assert a[0].finish_reason == "stop" and a[0].token_ids[-1] == stop
+        for x, y in zip(a, b):
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4)
+        assert multi.stats["decode_calls"] < multi.stats["decode_steps"]  # 4 steps per sync
+        assert single.stats["decode_calls"] == single.stats["decode_steps"]
+    finally:
+        await single.close()
+        await multi.close()
+
+
+async def test_samples_of_one_prompt_share_its_prefill(engine: LocalEngine) -> None:
+    """n samples of one prompt arriving together: one prefill, the others reuse its KV."""
+    prompt = prompts(1, lo=50, hi=51, seed=14)[0]
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, seed=3)
+    gens = await asyncio.gather(*(engine.generate(prompt, params) for _ in range(8)))
+    stats = engine.stats
+    assert stats["prefill_tokens"] == len(prompt) + 7  # the others compute one token each
+    assert [g.cached_tokens for g in gens].count(len(prompt) - 1) == 7
+    assert len({g.token_ids for g in gens}) == 1  # same seed, same tokens, reuse or not
+    fresh = LocalEngine(engine.model_path, prefix_cache_tokens=0)
+    try:
+        assert (await fresh.generate(prompt, params)).token_ids == gens[0].token_ids
+    finally:
+        await fresh.close()
