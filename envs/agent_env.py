@@ -12,7 +12,9 @@ become the episode's trajectory. The agent is either
   for its session, the task as JSON in ``$PALAESTRA_TASK`` and in ``task.json``; its outcome is
   the last line of its stdout (parsed as JSON when it is JSON).
 
-Limits: ``timeout_s`` for the whole agent run, ``call_timeout_s`` per model call,
+Tasks come from ``dataset`` rows or from ``task_fn(seed) -> dict`` (a callable or
+``"module:function"``); ``tools`` lists the tool schemas the agent offers (for demonstrations and
+listings). Limits: ``timeout_s`` for the whole agent run, ``call_timeout_s`` per model call,
 ``max_calls`` model calls per episode. A crash, a hang or a failed call ends the episode as a
 failed trajectory carrying the error, and its gateway session is freed.
 
@@ -35,6 +37,8 @@ import json
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, ClassVar
+
+import numpy as np
 
 from palaestra.envs.base import Env, StepResult
 from palaestra.errors import ConfigError
@@ -78,6 +82,8 @@ class AgentEnv(Env):
         command: Sequence[str] | str | None = None,
         reward_fn: RewardFn | str,
         dataset: Sequence[Mapping[str, Any]] | None = None,
+        task_fn: Callable[[int], Mapping[str, Any]] | str | None = None,
+        tools: Sequence[Mapping[str, Any]] = (),
         files: Mapping[str, str | bytes] | None = None,
         sandbox: bool | Mapping[str, Any] = True,
         env_vars: Mapping[str, str] | None = None,
@@ -116,8 +122,21 @@ class AgentEnv(Env):
         self.call_timeout_s = None if call_timeout_s is None else float(call_timeout_s)
         self.max_calls = int(max_calls)
         self.api_key = api_key
+        self.task_fn = task_fn
+        self.tools = [dict(t) for t in tools]
 
     # ----- the gymnasium side ---------------------------------------------------------------
+    def sample_task(self, rng: np.random.Generator) -> dict[str, Any]:
+        """A task from ``task_fn(seed)`` when given, else a row of the dataset."""
+        if self.task_fn is None:
+            return super().sample_task(rng)
+        return dict(resolve(self.task_fn, "task_fn")(int(rng.integers(2**31))))
+
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """The tools the agent program offers its model (informational: demonstrations and
+        listings use them; the agent sends its own with every request)."""
+        return [dict(t) for t in self.tools]
+
     def initial_messages(self, task: Mapping[str, Any]) -> Sequence[Message]:
         """The task as a user message (the agent program writes its own prompts)."""
         return [Message("user", json.dumps(dict(task), sort_keys=True, default=str))]

@@ -114,6 +114,11 @@ class WorkerPool:
             await asyncio.gather(*(h.call("configure", worker_config) for h in self.handles))
             await asyncio.gather(*(h.call("warmup") for h in self.handles))
 
+    async def prewarm(self, env_id: str, episodes: int) -> None:
+        """Build envs and agents for ``episodes`` concurrent episodes, spread over the workers."""
+        share = -(-episodes // max(len(self.handles), 1))
+        await asyncio.gather(*(h.call("prewarm", env_id, share) for h in self.handles))
+
     def drop(self, index: int) -> None:
         """Forget a dead worker."""
         self.handles = [h for h in self.handles if h.index != index]

@@ -228,15 +228,16 @@ class RolloutManager:
     async def _fill(self) -> bool:
         """Run workers until ``batch_size`` groups are ready; False if no more can come."""
         cfg = self.config
-        per_worker = math.ceil(cfg.max_inflight_groups / max(len(self._handles), 1))
         while len(self._ready) < cfg.batch_size:
             self._check_failures(final=False)
             missing = cfg.batch_size - len(self._ready)
             target = min(cfg.max_inflight_groups, math.ceil(missing * cfg.over_sampling))
+            share = math.ceil(target / max(len(self._handles), 1))  # spread over the workers
+            loaded = Counter(w for w, _ in self._inflight.values())
             for h in self._handles:
                 if h.index not in self._polls:
-                    loaded = sum(1 for w, _ in self._inflight.values() if w == h.index)
-                    new = self._draw(h.index, min(target - len(self._inflight), per_worker - loaded))
+                    room = min(target - len(self._inflight), share - loaded[h.index])
+                    new = self._draw(h.index, room)
                     self._polls[h.index] = asyncio.ensure_future(h.call("exchange", new, None))
             if not self._inflight and not self._can_draw():
                 return False
@@ -451,8 +452,14 @@ class RolloutManager:
         self._queue = deque(tasks)
         self._totals["drawn"] += len(tasks)
 
-    def worker_stats(self) -> Awaitable[list[dict[str, Any]]]:
-        return asyncio.gather(*(h.call("stats") for h in self._handles))
+    async def worker_stats(self) -> list[dict[str, Any]]:
+        """Per worker: episodes played, engine time, CPU time, pools, tool cache, engine health."""
+        return list(await asyncio.gather(*(h.call("stats") for h in self._handles)))
+
+    @property
+    def exhausted(self) -> bool:
+        """True once the data source is drawn out and no task is queued, running or ready."""
+        return self.data.exhausted and not (self._queue or self._inflight or self._ready)
 
 
 __all__ = ["RolloutBatch", "RolloutManager"]

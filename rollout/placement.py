@@ -124,4 +124,20 @@ def create_placement_group(plan: PlacementPlan, timeout_s: float = 120.0) -> Any
     return group
 
 
-__all__ = ["PlacementConfig", "PlacementPlan", "create_placement_group", "plan_placement"]
+def describe_for_train_config(cfg: Any) -> str:
+    """One line for ``palaestra train --dry-run``: the plan of the config's ``placement`` section
+    (fields of `PlacementConfig`), or the single-process CPU layout when there is none."""
+    section = getattr(cfg, "placement", None)
+    if section is None:
+        return "placement: single process (CPU; no GPU placement configured)"
+    fields = section.model_dump() if hasattr(section, "model_dump") else dict(section)
+    return "placement: " + plan_placement(PlacementConfig(**fields)).describe()
+
+
+__all__ = [
+    "PlacementConfig",
+    "PlacementPlan",
+    "create_placement_group",
+    "describe_for_train_config",
+    "plan_placement",
+]

@@ -147,6 +147,16 @@ class RolloutWorker:
         self.open = True
         self._apply(config)
 
+    async def prewarm(self, env_id: str, count: int) -> int:
+        """Create ``count`` envs of ``env_id`` and agents ahead of time (pool growth otherwise
+        lands in the first steps); returns the pool size."""
+        while len(self._pool.get(env_id, ())) < count:
+            self._release(env_id, self._acquire(env_id, fresh=True))
+            await asyncio.sleep(0)
+        while len(self._agents) < count:
+            self._agents.append(self._make_agent())
+        return len(self._pool[env_id])
+
     async def warmup(self) -> int:
         """Build the engine client and one agent now (tokenizer load, imports), not in step 0."""
         self.engine  # noqa: B018
@@ -183,7 +193,7 @@ class RolloutWorker:
         ready, self._ready = self._ready, []
         return ready
 
-    def close_gate(self) -> None:
+    async def close_gate(self) -> None:
         """Refuse new generations (episodes reaching one are parked); in-flight ones go on."""
         self.open = False
 
@@ -223,7 +233,7 @@ class RolloutWorker:
         """Update an engine this worker owns (shared engines are updated by the manager)."""
         await self.engine.update_weights(state_dict, path=path, version=version)
 
-    def stats(self) -> dict[str, Any]:
+    async def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "worker": self.index,
             "live_groups": len(self._groups),
@@ -255,7 +265,7 @@ class RolloutWorker:
             self._cache.close()
             self._cache = None
 
-    def ping(self) -> int:
+    async def ping(self) -> int:
         return self.index
 
     # ----- episodes --------------------------------------------------------------------------
@@ -316,9 +326,9 @@ class RolloutWorker:
             self._ready.append(GroupResult(t.group_id, tuple(group.results), self.index))  # type: ignore[arg-type]
             self._wake_event().set()
 
-    def _acquire(self, env_id: str) -> Any:
+    def _acquire(self, env_id: str, fresh: bool = False) -> Any:
         free = self._pool.get(env_id)
-        if free:
+        if free and not fresh:
             return free.pop()
         from palaestra.envs import make
 

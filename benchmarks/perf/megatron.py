@@ -29,9 +29,9 @@ import time
 from typing import Any
 
 DATASHEET_TFLOPS = 989.0
-QWEN3_COMMON = dict(model_type="qwen3", vocab_size=151936, rms_norm_eps=1e-6,
-                    rope_theta=1000000.0, max_position_embeddings=40960, head_dim=128,
-                    tie_word_embeddings=True, hidden_act="silu")
+QWEN3_COMMON = {"model_type": "qwen3", "vocab_size": 151936, "rms_norm_eps": 1e-6,
+                    "rope_theta": 1000000.0, "max_position_embeddings": 40960, "head_dim": 128,
+                    "tie_word_embeddings": True, "hidden_act": "silu"}
 SHAPES = {  # hidden, ffn, layers, heads, kv heads (Qwen3 model cards)
     "0.6b": (1024, 3072, 28, 16, 8),
     "1.7b": (2048, 6144, 28, 16, 8),

@@ -61,6 +61,7 @@ async def _run(name: str, pool: Any, worker_config: Any, episodes: int, concurre
                         num_workers=len(pool.handles), max_failure_rate=1.0)
     data = DataSource(_rows(10_000), seed=0, epochs=None)
     async with RolloutManager(data, worker_config, cfg, pool=pool) as manager:
+        await pool.prewarm("palaestra/Calculator-v0", concurrency)  # steady state: pools full
         manager.config = dataclasses.replace(cfg, batch_size=max(1, min(groups, 64)))
         await manager.generate_batch(-1)  # warm-up: imports, tokenizer, env pools
         manager.config = cfg
@@ -87,7 +88,8 @@ async def _run(name: str, pool: Any, worker_config: Any, episodes: int, concurre
         "tokens_per_s": round(m["perf/tokens_per_s"], 1),
         "engine_frac": round(m.get("time/engine_frac", 0.0), 4),
         "env_frac": round(m.get("time/env_frac", 0.0), 4),
-        "framework_frac": round(m.get("time/other_frac", 0.0), 4),
+        # the episodes' wall time outside engine and env: agent + worker + loop queueing
+        "framework_frac": round(m.get("time/agent_frac", 0.0) + m.get("time/other_frac", 0.0), 4),
         # CPU per env step: the workers' processes in total; the agent's and the env's share
         # (measured alone, see `component_costs`); the rest is the framework (worker, router,
         # engine client, asyncio, Ray). The driver (manager) process is counted apart.
@@ -96,6 +98,8 @@ async def _run(name: str, pool: Any, worker_config: Any, episodes: int, concurre
         "env_ms_per_step": round(env_ms, 3),
         "framework_cpu_ms_per_step": round(worker_cpu * per_step - agent_ms - env_ms, 3),
         "driver_cpu_ms_per_step": round(driver_cpu * per_step, 3),
+        # what the stack could do with every core to itself (a shared machine's load aside)
+        "steps_per_cpu_s": round(steps / max(worker_cpu + driver_cpu, 1e-9), 1),
         "stop_reasons": {k.split("/", 1)[1]: int(v) for k, v in m.items()
                          if k.startswith("stop_reason/")},
     }
@@ -190,9 +194,13 @@ async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, Any]], di
             with tempfile.TemporaryDirectory() as tmp:
                 proc, url = _serve(model, Path(tmp) / "serve.log")
                 try:
+                    # the random-init model rarely ends a turn: a bias on the turn-end token
+                    # makes answers ~16 tokens long, so episodes reach the env
+                    end = agent.build().stop_token_ids[0]
                     local = WorkerConfig(
                         engine=EngineSpec.http([url]), agent=agent,
-                        sampling=SamplingParams(max_new_tokens=args.max_new_tokens),
+                        sampling=SamplingParams(max_new_tokens=args.max_new_tokens,
+                                                logit_bias=((end, 4.0),)),
                     )
                     episodes = int(256 * scale)
                     row = await _run("local-engine", pool, local, episodes, 64, costs)
@@ -208,7 +216,7 @@ async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, Any]], di
 
 _COLUMNS = ("setting", "concurrency", "episodes", "errors", "env_steps_per_s", "episodes_per_s",
             "agent_ms_per_step", "env_ms_per_step", "framework_cpu_ms_per_step",
-            "driver_cpu_ms_per_step", "framework_frac")
+            "driver_cpu_ms_per_step", "steps_per_cpu_s", "framework_frac")
 
 
 def _print_row(row: dict[str, Any]) -> None:
@@ -221,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a fifth of the episodes")
     parser.add_argument("--model-dir", default="runs/bench-tiny-model",
                         help="tiny model directory (built there when missing)")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[100, 1000, 5000])
+    parser.add_argument("--concurrency", type=int, nargs="*", default=[100, 1000, 5000],
+                        help="in-flight episodes of the scripted settings (none: skip them)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--cluster", default="ray", choices=("ray", "local"))
     parser.add_argument("--max-new-tokens", type=int, default=32,

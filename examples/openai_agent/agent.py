@@ -30,7 +30,11 @@ from openai import AsyncOpenAI
 
 PRICES = {"apple": 3, "pear": 5, "lemon": 2, "melon": 7, "grape": 4, "peach": 6, "plum": 9,
           "kiwi": 8}
-SYSTEM_PROMPT = "Find the unit price with lookup, multiply with calculator, answer <answer>N</answer>."
+SYSTEM_PROMPT = (
+    "Tools: lookup(item) gives the unit price of a fruit, calculator(expression) computes. "
+    'Call one as <tool_call>{"name": ..., "arguments": {...}}</tool_call>; '
+    "answer <answer>N</answer>."
+)
 TOOLS = [
     {"type": "function", "function": {
         "name": "lookup", "description": "unit price of a fruit",

@@ -35,8 +35,6 @@ _EXPORTS = {
     "TrajectoryClient": "palaestra.rollout.gateway.client",
     "BufferSource": "palaestra.rollout.gateway.external",
     "EXTERNAL_ENV": "palaestra.rollout.gateway.external",
-    "run_owned_episode": "palaestra.rollout.gateway.runner",
-    "run_any_episode": "palaestra.rollout.gateway.runner",
     "samples_of_groups": "palaestra.rollout.gateway.batches",
 }
 
@@ -55,8 +53,6 @@ __all__ = [
     "close_gateways",
     "gateway_for",
     "run_agent_episode",
-    "run_any_episode",
-    "run_owned_episode",
     "samples_of_groups",
     "serve_gateway",
 ]

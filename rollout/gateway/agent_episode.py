@@ -48,9 +48,8 @@ async def gateway_for(engine: Engine, agent: Any, *, unix_socket: bool = False) 
     every episode of the process that uses the same engine; `close_gateways` stops them.
     """
     loop = asyncio.get_running_loop()
-    renderer = agent.renderer
-    key = (id(loop), id(engine), id(agent.tokenizer), renderer.family, renderer.chat_template,
-           agent.max_context, agent.enable_thinking, unix_socket)
+    key = (id(loop), id(engine), id(agent.tokenizer), agent.renderer, agent.max_context,
+           agent.enable_thinking, unix_socket)
     entry = _GATEWAYS.get(key)
     if entry is None or entry[0] is not loop or (entry[1].done() and entry[1].exception()):
         task = loop.create_task(_start(engine, agent, unix_socket))

@@ -181,7 +181,11 @@ def test_agent_env_config_errors_and_gym_side():
         AgentEnv(reward_fn=length_reward)
     with pytest.raises(ConfigError, match="timeout_s must be > 0"):
         AgentEnv(chatty_agent, reward_fn=length_reward, timeout_s=0)
-    env = AgentEnv("tests.nowhere:agent", reward_fn=length_reward)
+    env = AgentEnv("tests.nowhere:agent", reward_fn=length_reward, tools=[{"type": "function"}],
+                   task_fn=lambda seed: {"id": f"s{seed % 7}", "question": "?"})
+    assert env.tool_schemas() == [{"type": "function"}]
+    drawn, _ = env.reset(seed=3)
+    assert json.loads(drawn[0].content)["question"] == "?" and env.task["id"].startswith("s")
     obs, info = env.reset(options={"task": TASK})
     assert json.loads(obs[0].content) == TASK and info["task_id"] == "t1"
     with pytest.raises(ConfigError, match="cannot be stepped"):

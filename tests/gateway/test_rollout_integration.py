@@ -1,13 +1,8 @@
 """`AgentEnv` episodes and posted trajectories through the real rollout stack (`RolloutManager`
-with in-process workers and a real `LocalEngine`) and through the evaluation harness.
-
-`run_episode` dispatches envs that play their own episodes once the one-line hook described in
-docs/gateway.md is in ``palaestra.rollout.episode``; until then the `dispatch_hook` fixture
-installs the same dispatch (`run_any_episode`) where the worker and the harness call it."""
+with in-process workers and a real `LocalEngine`) and through the evaluation harness: `run_episode`
+hands envs with an ``episode_runner`` to it, so workers and the harness need nothing special."""
 
 from __future__ import annotations
-
-import inspect
 
 import openai
 import pytest
@@ -21,7 +16,6 @@ from palaestra.rollout.gateway import (
     TrajectoryBuffer,
     TrajectoryClient,
     close_gateways,
-    run_any_episode,
     serve_gateway,
 )
 
@@ -51,16 +45,7 @@ def rows(n: int) -> list[dict]:
 
 
 @pytest.fixture
-def dispatch_hook(monkeypatch):
-    from palaestra.rollout import episode
-
-    if "episode_runner" not in inspect.getsource(episode.run_episode):
-        monkeypatch.setattr("palaestra.rollout.worker.run_episode", run_any_episode)
-        monkeypatch.setattr("palaestra.rollout.episode.run_episode", run_any_episode)
-
-
-@pytest.fixture
-async def manager_factory(model_dir, engine, dispatch_hook):
+async def manager_factory(model_dir, engine):
     managers = []
 
     def build(data, *, batch_size: int) -> RolloutManager:
@@ -114,8 +99,7 @@ async def test_posted_groups_join_batches_with_generated_groups(manager_factory,
     assert len({s.group_id for s in batch.samples}) == 2
 
 
-async def test_the_evaluation_harness_plays_agent_envs(model_dir, engine, tokenizer,
-                                                       dispatch_hook):
+async def test_the_evaluation_harness_plays_agent_envs(model_dir, engine, tokenizer):
     from palaestra.benchmarks import Benchmark, EvalSettings, evaluate
     from palaestra.benchmarks.policies import TokenPolicy
 

@@ -1,12 +1,10 @@
-"""Fixtures of the rollout tests: the tiny tokenizer (built once), calculator task rows, worker
-configs around the scripted engine, and one small Ray cluster with a pool of two rollout workers
-shared by every Ray test (each test's manager reconfigures the pool instead of starting new
-processes)."""
+"""Fixtures of the rollout tests: the micro model and its tokenizer (built once), and one small
+Ray cluster with a pool of two rollout workers shared by every Ray test (each test's manager
+reconfigures the pool instead of starting new processes). Helpers live in `rollout_helpers`."""
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 
 import pytest
@@ -31,31 +29,6 @@ def tokenizer_dir(model_dir) -> str:
     return model_dir
 
 
-def calc_rows(n: int, env_id: str = "palaestra/Calculator-v0") -> list[dict]:
-    return [
-        {"env_id": env_id, "id": f"t{i}", "question": f"What is {i} + {3 * i + 1}?",
-         "answer": str(4 * i + 1)}
-        for i in range(n)
-    ]
-
-
-def worker_config(tokenizer_dir: str, *, p_correct: float = 0.5, latency_s: float = 0.0,
-                  **kwargs):
-    from palaestra.agents import AgentSpec
-    from palaestra.rollout import EngineSpec, WorkerConfig
-    from palaestra.rollout.engines.base import SamplingParams
-    from palaestra.rollout.engines.scripted import ScriptedEngine
-    from palaestra.rollout.testing import CalculatorPolicy
-
-    factory = functools.partial(
-        ScriptedEngine, CalculatorPolicy(tokenizer_dir, p_correct=p_correct), latency_s=latency_s
-    )
-    kwargs.setdefault("sampling", SamplingParams(max_new_tokens=64))
-    kwargs.setdefault("seed_sampling", True)
-    return WorkerConfig(engine=EngineSpec.from_factory(factory), agent=AgentSpec(tokenizer_dir),
-                        **kwargs)
-
-
 @pytest.fixture(scope="session")
 def ray_cluster():
     ray = pytest.importorskip("ray")
@@ -72,6 +45,7 @@ def ray_cluster():
 def ray_pool(ray_cluster, tokenizer_dir):
     """Two rollout workers as Ray actors (0.5 CPU each, so the 2-CPU cluster has room left)."""
     from palaestra.rollout import WorkerPool
+    from rollout_helpers import worker_config
 
     pool = WorkerPool(worker_config(tokenizer_dir), 2, cluster="ray", num_cpus=0.5)
     asyncio.run(pool.start())

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from conftest import calc_rows, worker_config
+from rollout_helpers import calc_rows, worker_config
 from palaestra.errors import RolloutError
 from palaestra.rollout import DataSource, RolloutConfig, RolloutManager
 from palaestra.rollout.engines.scripted import scripted_logprob

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import calc_rows, worker_config
+from rollout_helpers import calc_rows, worker_config
 from palaestra.agents import make_agent
 from palaestra.envs import make
 from palaestra.errors import ConfigError

@@ -44,7 +44,7 @@ _EXPORTS = {
     "train_flops_per_token": "flops",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def sdpa_thd(
     bounds = cu_seqlens.tolist()
     gqa = query.shape[1] != key.shape[1]
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         if end == start:
             continue
         q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [h, s, d]

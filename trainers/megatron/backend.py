@@ -77,11 +77,12 @@ class MegatronBackend:
             raise ConfigError("use_transformer_engine='on' but transformer-engine is not installed")
         self.use_te = te and c.use_transformer_engine != "off"
         if c.sequence_parallel and not self.use_te:
-            raise ConfigError("sequence_parallel needs transformer-engine (megatron's torch RMSNorm "
-                              "does not support it); install it or set sequence_parallel=False")
+            raise ConfigError("sequence_parallel needs transformer-engine (megatron's torch "
+                              "RMSNorm does not support it); install it or unset it")
         if self.arch.moe is not None and c.tp > 1 and not c.sequence_parallel:
-            raise ConfigError("megatron-core trains MoE with tp > 1 only with sequence_parallel=True "
-                              "(which needs transformer-engine); use ep > 1 with tp=1 instead")
+            raise ConfigError("megatron-core trains MoE with tp > 1 only with "
+                              "sequence_parallel=True (which needs transformer-engine); "
+                              "use ep > 1 with tp=1 instead")
         init_parallel(self.parallel, seed=c.seed)
         if hf_state_dict is None and model_path is not None:
             hf_state_dict = read_hf_state_dict(model_path)

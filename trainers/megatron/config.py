@@ -87,7 +87,9 @@ class MegatronBackendConfig(BaseModel):
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
         if self.lr_schedule != "constant" and self.total_steps is None:
-            raise ValueError(f"lr_schedule={self.lr_schedule!r} decays over the run: set total_steps")
+            raise ValueError(
+                f"lr_schedule={self.lr_schedule!r} decays over the run: set total_steps"
+            )
         return self
 
     @property

@@ -1,4 +1,4 @@
-"""HF <-> Megatron-core weight conversion for Qwen2, Qwen3, Llama and Qwen3-MoE, as pure tensor code.
+"""HF <-> Megatron-core weight conversion (Qwen2, Qwen3, Llama, Qwen3-MoE) as pure tensor code.
 
 Nothing here imports megatron: the functions reshuffle torch tensors on any device, so the CPU
 tests check them against a real HF model's state dict and the GPU weight sync reuses them.

@@ -113,5 +113,7 @@ def fuse_hf_experts(hf_sd: Mapping[str, torch.Tensor], arch: ModelArch) -> dict[
             torch.cat([hf_sd[f"{base}{j}.gate_proj.weight"], hf_sd[f"{base}{j}.up_proj.weight"]])
             for j in experts
         ])
-        out[base + "down_proj"] = torch.stack([hf_sd[f"{base}{j}.down_proj.weight"] for j in experts])
+        out[base + "down_proj"] = torch.stack(
+            [hf_sd[f"{base}{j}.down_proj.weight"] for j in experts]
+        )
     return out

@@ -25,7 +25,9 @@ def param_count(arch: ModelArch) -> ParamCount:
     """Stored and per-token-active parameters of the model."""
     h, d = arch.hidden_size, arch.head_dim
     attn = h * arch.q_size + 2 * h * arch.kv_size + arch.q_size * h
-    attn_extra = (arch.q_size + 2 * arch.kv_size if arch.qkv_bias else 0) + (2 * d if arch.qk_norm else 0)
+    attn_extra = (arch.q_size + 2 * arch.kv_size if arch.qkv_bias else 0) + (
+        2 * d if arch.qk_norm else 0
+    )
     dense_mlp = 3 * h * arch.ffn_hidden_size
     total = matmul = 0
     for layer in range(arch.num_layers):

@@ -25,7 +25,7 @@ def transformer_engine_available() -> bool:
 
 def transformer_config(
     arch: ModelArch,
-    parallel: ParallelConfig = ParallelConfig(),
+    parallel: ParallelConfig | None = None,
     *,
     dtype: torch.dtype | None = None,
     use_cpu_initialization: bool = False,
@@ -41,43 +41,44 @@ def transformer_config(
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = dtype or torch.bfloat16
-    kwargs: dict[str, Any] = dict(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        ffn_hidden_size=arch.ffn_hidden_size,
-        num_attention_heads=arch.num_heads,
-        num_query_groups=arch.num_kv_heads,
-        kv_channels=arch.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=arch.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_norm,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=arch.initializer_range,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        bf16=dtype == torch.bfloat16,
-        fp16=dtype == torch.float16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.expert_tp,
-        sequence_parallel=parallel.sequence_parallel,
-        use_cpu_initialization=use_cpu_initialization,
-        perform_initialization=perform_initialization,
-        variable_seq_lengths=True,  # packed micro-batches differ in length (PP shapes)
-        moe_token_dispatcher_type="alltoall",  # the only dispatcher that allows that
-        cross_entropy_loss_fusion=False,
-    )
+    parallel = parallel or ParallelConfig()
+    kwargs: dict[str, Any] = {
+        "num_layers": arch.num_layers,
+        "hidden_size": arch.hidden_size,
+        "ffn_hidden_size": arch.ffn_hidden_size,
+        "num_attention_heads": arch.num_heads,
+        "num_query_groups": arch.num_kv_heads,
+        "kv_channels": arch.head_dim,
+        "normalization": "RMSNorm",
+        "layernorm_epsilon": arch.rms_norm_eps,
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": arch.qkv_bias,
+        "qk_layernorm": arch.qk_norm,
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "init_method_std": arch.initializer_range,
+        "bias_activation_fusion": False,
+        "masked_softmax_fusion": False,
+        "apply_rope_fusion": False,
+        "persist_layer_norm": False,
+        "gradient_accumulation_fusion": False,
+        "bf16": dtype == torch.bfloat16,
+        "fp16": dtype == torch.float16,
+        "params_dtype": dtype,
+        "pipeline_dtype": dtype,
+        "tensor_model_parallel_size": parallel.tp,
+        "pipeline_model_parallel_size": parallel.pp,
+        "expert_model_parallel_size": parallel.ep,
+        "expert_tensor_parallel_size": parallel.expert_tp,
+        "sequence_parallel": parallel.sequence_parallel,
+        "use_cpu_initialization": use_cpu_initialization,
+        "perform_initialization": perform_initialization,
+        "variable_seq_lengths": True,  # packed micro-batches differ in length (PP shapes)
+        "moe_token_dispatcher_type": "alltoall",  # the only dispatcher that allows that
+        "cross_entropy_loss_fusion": False,
+    }
     if recompute:
         kwargs.update(recompute_granularity="full", recompute_method="uniform",
                       recompute_num_layers=1)
@@ -111,7 +112,9 @@ def _with_sdpa_attention(layer_spec: Any) -> Any:
     return dataclasses.replace(layer_spec, submodules=layer_sub)
 
 
-def decoder_block_spec(config: Any, *, use_te: bool | None = None, vp_stage: int | None = None) -> Any:
+def decoder_block_spec(
+    config: Any, *, use_te: bool | None = None, vp_stage: int | None = None
+) -> Any:
     """The decoder block spec of this pipeline stage (TE spec if available, else SDPA local)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -129,7 +132,7 @@ def decoder_block_spec(config: Any, *, use_te: bool | None = None, vp_stage: int
 
 def build_gpt_model(
     arch: ModelArch,
-    parallel: ParallelConfig = ParallelConfig(),
+    parallel: ParallelConfig | None = None,
     *,
     dtype: torch.dtype | None = None,
     use_te: bool | None = None,
@@ -147,6 +150,7 @@ def build_gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    parallel = parallel or ParallelConfig()
     if config is None:
         config = transformer_config(
             arch, parallel, dtype=dtype, use_cpu_initialization=not torch.cuda.is_available(),

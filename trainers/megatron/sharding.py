@@ -56,7 +56,9 @@ def shard_tensor(
     return tensor.chunk(size, dim=dim)[rank]
 
 
-def unshard_tensor(name: str, shards: Sequence[torch.Tensor], *, gated: bool = True) -> torch.Tensor:
+def unshard_tensor(
+    name: str, shards: Sequence[torch.Tensor], *, gated: bool = True
+) -> torch.Tensor:
     """Full parameter from all tensor-parallel ranks' shards (in rank order)."""
     import torch
 

@@ -18,9 +18,9 @@ import torch
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
-TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-            rms_norm_eps=1e-6)
+TINY = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "max_position_embeddings": 64, "rms_norm_eps": 1e-6}
 
 
 def make_hf_model(family: str, *, tie: bool = False, seed: int = 0, **over: Any) -> Any:
@@ -94,7 +94,8 @@ def reference_logits(
         mlp_out = torch.zeros_like(x)
         for s in shards:
             gate, up = (h @ s[p + "mlp.linear_fc1.weight"].T).chunk(2, -1)
-            mlp_out = mlp_out + (torch.nn.functional.silu(gate) * up) @ s[p + "mlp.linear_fc2.weight"].T
+            act = torch.nn.functional.silu(gate) * up
+            mlp_out = mlp_out + act @ s[p + "mlp.linear_fc2.weight"].T
         x = x + mlp_out
     x = _rms(x, shards[0]["decoder.final_layernorm.weight"], arch.rms_norm_eps)
     head = "embedding.word_embeddings.weight" if arch.tie_embeddings else "output_layer.weight"

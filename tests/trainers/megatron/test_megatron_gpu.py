@@ -20,11 +20,11 @@ pytestmark = [
 
 REPORT: dict[str, Any] = {}
 
-QWEN3_SMALL = dict(  # Qwen3-0.6B's layer shapes and vocabulary, 4 layers
-    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=4,
-    num_attention_heads=16, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
-    max_position_embeddings=8192, tie_word_embeddings=True, initializer_range=0.05,
-)
+QWEN3_SMALL = {  # Qwen3-0.6B's layer shapes and vocabulary, 4 layers
+    "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 4,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 8192, "tie_word_embeddings": True, "initializer_range": 0.05,
+}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -89,7 +89,8 @@ def _backend(model: Any, **cfg: Any) -> Any:
     from palaestra.trainers.megatron.backend import MegatronBackend
     from palaestra.trainers.megatron.config import MegatronBackendConfig
 
-    return MegatronBackend(model.config, MegatronBackendConfig(**cfg), hf_state_dict=model.state_dict())
+    return MegatronBackend(model.config, MegatronBackendConfig(**cfg),
+                           hf_state_dict=model.state_dict())
 
 
 def test_attention_kernels_on_gpu():
@@ -212,10 +213,11 @@ def test_qwen3_bf16_logprobs_train_sync_and_checkpoint(tmp_path):
 def test_qwen3_moe_logprobs_and_train_step():
     from palaestra.trainers.algorithms import LossConfig
 
-    cfg = dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
-               num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-               mlp_only_layers=[], max_position_embeddings=4096, initializer_range=0.05)
+    cfg = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+           "moe_intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
+           "num_key_value_heads": 4, "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2,
+           "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "max_position_embeddings": 4096, "initializer_range": 0.05}
     model = _hf("qwen3_moe", torch.float32, **cfg)
     batch = _batch([129, 400, 64], cfg["vocab_size"], seed=1)
     backend = _backend(model, dtype="float32", lr=1e-3)

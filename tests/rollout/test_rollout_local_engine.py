@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import calc_rows
+from rollout_helpers import calc_rows
 from palaestra.agents import AgentSpec
 from palaestra.rollout import DataSource, EngineSpec, RolloutConfig, RolloutManager, WorkerConfig
 from palaestra.rollout.engines.base import SamplingParams
