@@ -182,10 +182,9 @@ async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, en
     start_step = 0
     latest = run.latest_checkpoint("rl") if cfg.checkpoint.resume else None
     if latest is not None:
-        state = backend.load(latest)
-        extra = state.get("extra", {})
-        start_step = int(extra["rl_step"])
-        manager.load_state_dict(extra["rollout"])
+        state = backend.load(latest)  # the saved extras sit beside the backend's own keys
+        start_step = int(state["rl_step"])
+        manager.load_state_dict(state["rollout"])
         await engine.update_weights(backend.state_dict_for_engines(), version=start_step)
         run.truncate_metrics_after("rl", start_step - 1)
         print(f"resumed RL from {latest.name} (step {start_step})", flush=True)

@@ -126,7 +126,7 @@ def sft_steps(
     start = 0
     latest = run.latest_checkpoint(phase) if cfg.checkpoint.resume else None
     if latest is not None:
-        start = int(backend.load(latest)["extra"]["phase_step"])
+        start = int(backend.load(latest)["phase_step"])
         run.truncate_metrics_after(phase, start - 1)
         print(f"resumed {phase} from {latest.name} (step {start})", flush=True)
     bar = _bar(cfg, steps, start, phase)
@@ -184,7 +184,7 @@ def dpo_steps(cfg: TrainConfig, run: RunDir, model_path: Path, spec: Any) -> Any
     start = 0
     latest = run.latest_checkpoint("dpo") if cfg.checkpoint.resume else None
     if latest is not None:
-        start = int(backend.load(latest)["extra"]["phase_step"])
+        start = int(backend.load(latest)["phase_step"])
     for step in range(start, steps):
         idx = _batch_indices(len(chosen), cfg.offline.batch_size, step, cfg.seed)
         batch = TrainBatch.from_pairs([chosen[i] for i in idx], [rejected[i] for i in idx])

@@ -80,6 +80,7 @@ def test_public_api_is_pinned():
         "drift_rate",
         "strict_drift",
         "chat_template",
+        "tools_in_prompt",
     ]
     assert set(agents.FAMILIES) == {"qwen", "llama3", "search_r1", "python"}
 
@@ -167,3 +168,18 @@ def test_import_is_light():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_tools_can_stay_out_of_the_prompt(tokenizer_dir):
+    from palaestra.agents import AgentSpec
+    from palaestra.types import Message
+
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "d", "parameters": {}}}]
+    obs = [Message("system", "sys"), Message("user", "q")]
+    with_tools = AgentSpec(str(tokenizer_dir)).build()
+    with_tools.start(obs, tools)
+    without = AgentSpec(str(tokenizer_dir), tools_in_prompt=False).build()
+    without.start(obs, tools)
+    text = without.tokenizer.decode(without.input_ids)
+    assert "# Tools" not in text and "# Tools" in with_tools.tokenizer.decode(with_tools.input_ids)
+    assert len(without.input_ids) < len(with_tools.input_ids)
