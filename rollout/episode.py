@@ -20,7 +20,7 @@ import functools
 import importlib
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field, replace
-from time import perf_counter
+from time import perf_counter, thread_time
 from typing import Any, TypeVar
 
 from palaestra.rollout.engines.base import Engine, SamplingParams
@@ -42,7 +42,7 @@ class EpisodeState:
     aborts: int = 0
     engine_s: float = 0.0
     env_s: float = 0.0
-    agent_s: float = 0.0
+    agent_s: float = 0.0  # CPU time (the agent's calls are synchronous: no queueing in it)
     wall_s: float = 0.0
 
 
@@ -87,9 +87,9 @@ async def run_episode(
             st.env_s += perf_counter() - t
             st.task_id = str(info.get("task_id", ""))
             stage = "agent.start"
-            t = perf_counter()
+            t = thread_time()
             agent.start(obs, info.get("tools") or ())
-            st.agent_s += perf_counter() - t
+            st.agent_s += thread_time() - t
             st.started = True
         st.seed = sampling.seed
         stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *agent.stop_token_ids)))
@@ -116,11 +116,11 @@ async def run_episode(
             st.requests += 1
             t = perf_counter()
             gen = await engine.generate(agent.input_ids, params, request_id=rid, session_id=session_id)
-            t2 = perf_counter()
-            st.engine_s += t2 - t
+            st.engine_s += perf_counter() - t
             stage = "agent.parse"
+            t = thread_time()
             action = agent.on_generation(gen)  # an aborted turn is continued by the next call
-            st.agent_s += perf_counter() - t2
+            st.agent_s += thread_time() - t
             if gen.finish_reason == "abort":
                 st.partial_tokens += len(gen.token_ids)
                 st.aborts += 1
@@ -140,10 +140,10 @@ async def run_episode(
                 stop = StopReason(info.get("stop_reason") or default)
                 break
             stage = "agent.observe"
-            t = perf_counter()
+            t = thread_time()
             if not agent.on_observation(obs):
                 stop = StopReason.TRUNCATED
-            st.agent_s += perf_counter() - t
+            st.agent_s += thread_time() - t
     except (TimeoutError, asyncio.TimeoutError):
         stop, error = StopReason.TIMEOUT, f"{stage}: timed out after {step_timeout_s} s"
     except Exception as exc:  # a bad rollout is data, not a crash

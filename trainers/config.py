@@ -16,6 +16,7 @@ from pydantic import Field, model_validator
 from palaestra.benchmarks.training import EvalConfig as BenchmarkEvalConfig
 from palaestra.config import Section
 from palaestra.trainers.algorithms.config import LossConfig
+from palaestra.trainers.megatron.config import MegatronBackendConfig
 from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
 
@@ -146,6 +147,8 @@ class TrainerSection(Section):
     """Optimizer steps per rollout batch (more than one makes PPO clipping matter)."""
     torch: TorchBackendConfig = Field(default_factory=TorchBackendConfig)
     """PyTorch backend settings (device, dtype, lr, micro-batching, ...)."""
+    megatron: MegatronBackendConfig = Field(default_factory=MegatronBackendConfig)
+    """Megatron-core backend settings (tp, pp, ep, dtype, lr, ...), for backend = "megatron"."""
     loss: LossConfig = Field(default_factory=lambda: LossConfig(preset="grpo"))
     """The objective (preset and coefficients)."""
 
@@ -212,16 +215,17 @@ class TrainConfig(Section):
             problems.append("warmup.steps > 0 needs warmup.demonstrations")
         if self.engine.kind == "sglang" and not self.engine.urls:
             problems.append("engine.kind = 'sglang' needs engine.urls (attach to running servers)")
-        if self.trainer.backend == "megatron":
+        if self.trainer.backend == "megatron" and not _megatron_installed():
             problems.append(
-                "trainer.backend = 'megatron' runs on CUDA machines only (see docs/megatron.md)"
-            ) if not _cuda_possible() else None
+                "trainer.backend = 'megatron' needs megatron-core (pip install "
+                "'palaestra[megatron]' on a CUDA machine; see docs/megatron.md)"
+            )
         if problems:
             raise ValueError("; ".join(problems))
         return self
 
 
-def _cuda_possible() -> bool:
+def _megatron_installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("megatron") is not None

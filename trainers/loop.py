@@ -118,6 +118,24 @@ def _train_rows(cfg: TrainConfig) -> list[dict[str, Any]]:
     return rows[: len(rows) - cfg.eval.num_tasks] if len(rows) > 2 * cfg.eval.num_tasks else rows
 
 
+def build_backend(cfg: TrainConfig, policy_path: Path) -> Any:
+    """The RL training backend: the PyTorch one, or Megatron-core on CUDA machines."""
+    if cfg.trainer.backend == "megatron":
+        from transformers import AutoConfig
+
+        from palaestra.trainers.megatron import MegatronBackend
+
+        changes: dict[str, Any] = {"logits_temperature": cfg.rollout.temperature, "seed": cfg.seed}
+        if cfg.trainer.megatron.lr_schedule != "constant":
+            changes["total_steps"] = cfg.trainer.steps
+        return MegatronBackend(AutoConfig.from_pretrained(policy_path),
+                               cfg.trainer.megatron.model_copy(update=changes),
+                               model_path=policy_path)
+    from palaestra.trainers.torch_backend import TorchBackend
+
+    return TorchBackend(policy_path, backend_config(cfg, steps=cfg.trainer.steps))
+
+
 def backend_config(cfg: TrainConfig, *, lr: float | None = None, steps: int | None = None) -> Any:
     """The torch backend settings of a phase (logits scaled by the sampling temperature)."""
     changes: dict[str, Any] = {"logits_temperature": cfg.rollout.temperature, "seed": cfg.seed}
@@ -152,10 +170,9 @@ async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, en
     from palaestra.rollout.config import RolloutConfig
     from palaestra.trainers.algorithms import compute_advantages
     from palaestra.trainers.batching import TrainBatch
-    from palaestra.trainers.torch_backend import TorchBackend
 
     r = cfg.rollout
-    backend = TorchBackend(policy_path, backend_config(cfg, steps=cfg.trainer.steps))
+    backend = build_backend(cfg, policy_path)
     data = DataSource(_train_rows(cfg), env_id=cfg.env.id, shuffle=cfg.data.shuffle,
                       seed=cfg.data.seed, epochs=cfg.data.epochs)
     server = None

@@ -127,7 +127,10 @@ def plot_curves(run: RunDir) -> Path | None:
     rows = run.read_jsonl("metrics.jsonl")
     if not rows:
         return None
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # plots are optional (e.g. a bare GPU image)
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -38,6 +38,7 @@ SIZES: dict[str, ModelSize] = {
     "tiny": ModelSize(128, 384, 2, 4, 2),  # quickstart
     "small": ModelSize(256, 768, 4, 4, 2),
     "10m": ModelSize(384, 1024, 6, 6, 2),  # ~10M parameters, for benchmarks
+    "qwen3-0.6b": ModelSize(1024, 3072, 28, 16, 8),  # Qwen3-0.6B layer shapes (GPU plumbing runs)
 }
 
 _WORDS = (
