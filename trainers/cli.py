@@ -51,7 +51,11 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         from palaestra.trainers.dry_run import describe_plan
 
-        print(describe_plan(cfg))
+        try:
+            print(describe_plan(cfg))
+        except ConfigError as exc:
+            print(f"palaestra train: {exc}", file=sys.stderr)
+            return 2
         return 0
     from palaestra.trainers.loop import train
 

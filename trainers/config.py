@@ -228,4 +228,7 @@ class TrainConfig(Section):
 def _megatron_installed() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("megatron") is not None
+    try:  # megatron.core, not a folder that happens to be named megatron (e.g. a test package)
+        return importlib.util.find_spec("megatron.core") is not None
+    except (ImportError, ValueError):
+        return False

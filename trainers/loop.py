@@ -73,6 +73,9 @@ def build_engine(cfg: TrainConfig, model_path: Path) -> Any:
         max_running=cfg.engine.max_running,
         max_model_len=cfg.agent.max_context,
         seed=cfg.seed,
+        # async mode trains in a thread while this engine decodes on the same device: captured
+        # CUDA graphs replayed beside the training kernels failed on the H200 run
+        cuda_graphs=cfg.rollout.mode != "async",
     )
 
 

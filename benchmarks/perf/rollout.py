@@ -107,48 +107,50 @@ async def _run(name: str, pool: Any, worker_config: Any, episodes: int, concurre
     }
 
 
+class _TimedEnv:
+    """Counts the CPU time of an env's reset and steps (run alone: nothing else on the loop)."""
+
+    def __init__(self, env: Any) -> None:
+        self.env, self.cpu_s = env, 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+    async def areset(self, **kwargs: Any) -> Any:
+        t = time.thread_time()
+        try:
+            return await self.env.areset(**kwargs)
+        finally:
+            self.cpu_s += time.thread_time() - t
+
+    async def astep(self, action: Any) -> Any:
+        t = time.thread_time()
+        try:
+            return await self.env.astep(action)
+        finally:
+            self.cpu_s += time.thread_time() - t
+
+
 async def component_costs(model: str, episodes: int = 200) -> dict[str, float]:
-    """CPU milliseconds per env step of the agent and of the env alone, measured sequentially
-    (no concurrency, so no event-loop queueing is counted) on the same canned episodes."""
-    clock = time.thread_time  # CPU time: other processes on a shared machine do not count
+    """CPU milliseconds per env step of the agent and of the env, from ``episodes`` canned
+    episodes played one at a time through `run_episode` (no concurrency, so no queueing)."""
     from palaestra.agents import AgentSpec
     from palaestra.envs import make
+    from palaestra.rollout import run_episode
     from palaestra.rollout.engines.base import SamplingParams
     from palaestra.rollout.testing import scripted_router
 
     engine = scripted_router(model, 1)
-    env, agent = make("palaestra/Calculator-v0"), AgentSpec(model, max_context=2048).build()
-    sampling = SamplingParams(max_new_tokens=64, stop_token_ids=agent.stop_token_ids)
-    spent = {"agent": 0.0, "env": 0.0, "engine": 0.0}
-    steps = 0
+    env = _TimedEnv(make("palaestra/Calculator-v0"))
+    agent = AgentSpec(model, max_context=2048).build()
+    steps, agent_s = 0, 0.0
     for i, row in enumerate(_rows(episodes)):
-        t = clock()
-        obs, info = await env.areset(seed=i, options={"task": row})
-        t1 = clock()
-        agent.start(obs, info["tools"])
-        spent["env"] += t1 - t
-        spent["agent"] += clock() - t1
-        done = False
-        while not done:
-            t = clock()
-            gen = await engine.generate(agent.input_ids, sampling)
-            t1 = clock()
-            action = agent.on_generation(gen)
-            t2 = clock()
-            obs, _, terminated, truncated, _ = await env.astep(action)
-            t3 = clock()
-            done = terminated or truncated
-            if not done:
-                agent.on_observation(obs)
-            t4 = clock()
-            spent["engine"] += t1 - t
-            spent["agent"] += (t2 - t1) + (t4 - t3)
-            spent["env"] += t3 - t2
-            steps += 1
-        t = clock()
-        agent.to_sample(reward=0.0, stop_reason="terminated")
-        spent["agent"] += clock() - t
-    return {f"{k}_ms_per_step": round(1e3 * v / steps, 3) for k, v in spent.items()}
+        traj = await run_episode(env, agent, engine, SamplingParams(max_new_tokens=64), seed=i,
+                                 task=row, env_id="palaestra/Calculator-v0")
+        steps += len(traj.turns)
+        agent_s += traj.metrics["agent_s"]
+    return {"agent_ms_per_step": round(1e3 * agent_s / steps, 3),
+            "env_ms_per_step": round(1e3 * env.cpu_s / steps, 3)}
 
 
 def _serve(model: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:

@@ -130,7 +130,6 @@ class SGLangClient:
     # ----------------------------------------------------------------------------- protocol
     async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, *,
                        request_id: str | None = None, session_id: str | None = None) -> Generation:
-        import aiohttp
 
         ids = [int(t) for t in input_ids]
         base = request_id or f"sgl-{time.monotonic_ns():x}"

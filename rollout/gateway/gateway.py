@@ -151,8 +151,8 @@ class Gateway:
             input_ids = [*base, *plan.context_ids]
             began = perf_counter()
             try:
-                tokens, lps, versions, finish, cached = await asyncio.wait_for(
-                    self._generate(session, input_ids, params), session.limits.call_timeout_s)
+                tokens, lps, versions, finish, cached = await self._generate(
+                    session, input_ids, params)
             except (TimeoutError, asyncio.TimeoutError):
                 session.stop("call_timeout", f"a generation took over "
                              f"{session.limits.call_timeout_s} s")
@@ -176,7 +176,7 @@ class Gateway:
             cached_tokens=cached,
             token_ids=tuple(tokens),
             logprobs=tuple(lps),
-            sample_index=session.samples.index(session.last) if session.last else 0,
+            sample_index=session.last.index if session.last is not None else 0,
             continued=record.continued,
         )
 
@@ -211,20 +211,27 @@ class Gateway:
     async def _generate(
         self, session: Session, input_ids: list[int], params: SamplingParams
     ) -> tuple[list[int], list[float], list[int], str, int]:
-        """Generate, resuming after aborts (weight updates) from the tokens so far."""
+        """Generate, resuming after aborts (weight updates) from the tokens so far.
+
+        ``call_timeout_s`` bounds each engine request, not the waits between them: an abort
+        with no tokens (a paused engine, a closed rollout gate) is waited out with backoff until
+        the engine takes requests again (the episode's own timeout bounds that); an abort that
+        returned tokens counts towards `MAX_ABORTS`.
+        """
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
         cached = 0
-        aborts = 0
+        aborts = idle = attempt = 0
         while True:
             budget = params.max_new_tokens - len(tokens)
-            gen = await self.engine.generate(
+            gen = await asyncio.wait_for(self.engine.generate(
                 input_ids + tokens,
                 params if not tokens else replace(params, max_new_tokens=budget),
-                request_id=f"{session.id}:{session.calls}:{aborts}",
+                request_id=f"{session.id}:{session.calls}:{attempt}",
                 session_id=session.id,
-            )
+            ), session.limits.call_timeout_s)
+            attempt += 1
             if len(gen.logprobs) != len(gen.token_ids):
                 raise EngineError(
                     f"the engine returned {len(gen.token_ids)} tokens but {len(gen.logprobs)} "
@@ -238,11 +245,14 @@ class Gateway:
                 return tokens, logprobs, versions, finish, cached
             if tokens and tokens[-1] in params.stop_token_ids:
                 return tokens, logprobs, versions, "stop", cached
-            aborts += 1
             session.counters["aborts"] += 1
-            if aborts > MAX_ABORTS:
-                raise EngineError(f"the generation was aborted {aborts} times in a row")
-            await asyncio.sleep(min(0.01 * 2 ** min(aborts, 7), 1.0))
+            if gen.token_ids:
+                aborts, idle = aborts + 1, 0
+                if aborts > MAX_ABORTS:
+                    raise EngineError(f"the generation was aborted {aborts} times")
+            else:
+                idle += 1
+            await asyncio.sleep(min(0.01 * 2 ** min(idle, 7), 1.0))
 
 
 def token_versions(gen: Generation) -> list[int]:

@@ -14,11 +14,11 @@ continues an existing sample of the session when
    Qwen3 dropping earlier reasoning); only the new messages are rendered, and the ids after the
    sampled turn's end token are appended with mask 0.
 
-Otherwise the agent edited its history (or rewound it, or changed its tools): the request starts
-a new sample whose prompt is the full render, ``prefix_breaks`` is counted and the reason kept in
-``break_reasons``. Nothing is ever re-tokenized silently: sampled ids stay exactly as the engine
-returned them. Samples are tried newest first, so an agent that interleaves several conversations
-(a planner and a worker) gets one sample per conversation.
+Otherwise the agent edited its history (or rewound it, or changed tools the template renders): the
+request starts a new sample whose prompt is the full render, ``prefix_breaks`` is counted and the
+reason kept in ``break_reasons``. Nothing is ever re-tokenized silently: sampled ids stay exactly
+as the engine returned them. Samples are tried newest first, so an agent that interleaves several
+conversations (a planner and a worker) gets one sample per conversation.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 from palaestra.errors import PalaestraError
 from palaestra.rollout.engines.base import SamplingParams
 from palaestra.rollout.gateway.ledger import CallRecord, SampleLedger
-from palaestra.rollout.gateway.template import ChatTokens, same_reply, tools_key
+from palaestra.rollout.gateway.template import ChatTokens, same_reply
 from palaestra.types import Message, Sample, StopReason, Turn
 
 #: why a session stopped -> the episode's stop reason
@@ -133,7 +133,7 @@ class Session:
     # ------------------------------------------------------------------ placing a request
     def plan(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]]) -> Plan:
         """Decide where a request goes (see the module docstring); changes nothing."""
-        key = tools_key(tools)
+        key = self.chat.tools_key(tools)
         full = self.chat.prompt_ids(messages, tools)
         reasons: list[str] = []
         for ledger in reversed(self.samples):
@@ -181,7 +181,8 @@ class Session:
             if self.samples:
                 self.counters["prefix_breaks"] += 1
                 self.break_reasons.append("; ".join(plan.reasons) or "no sample to continue")
-            ledger = SampleLedger(len(self.samples), [dict(t) for t in tools], tools_key(tools))
+            ledger = SampleLedger(len(self.samples), [dict(t) for t in tools],
+                                  self.chat.tools_key(tools))
             ledger.extend_context(plan.context_ids)
             ledger.prompt_len = len(plan.context_ids)
             self.samples.append(ledger)

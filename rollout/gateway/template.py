@@ -71,6 +71,11 @@ class ChatTokens:
         """Token ids of the full conversation with the generation prompt."""
         return self.encode(self.render(messages, tools, add_generation_prompt=True))
 
+    def tools_key(self, tools: Sequence[Mapping[str, Any]]) -> str:
+        """What of a request's tools the model sees: their schemas when the template renders
+        them, nothing otherwise (then changing tools does not change the prompt)."""
+        return tools_key(tools) if self.renderer.tools_in_template else ""
+
     # ------------------------------------------------------------------ extending a sample
     def tail_ids(
         self,

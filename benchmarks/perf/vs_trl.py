@@ -1,0 +1,206 @@
+"""palaestra vs TRL's GRPOTrainer: wall time per GRPO step and reward, side by side on one machine.
+
+Same model (a locally built ~10M-parameter Qwen3), same prompts (Calculator questions), same
+reward (share of digit characters in the reply, a dense reward both can climb), same group size,
+batch, completion length, learning rate and number of steps. Each side runs in its own
+subprocess, one after the other, with the same thread count; TRL runs with ``--trl-python`` (a
+venv where trl is installed, as TRL may pin other transformers versions) or this interpreter.
+
+    python benchmarks/perf/vs_trl.py --steps 3 --json runs/vs_trl.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REWARD_SRC = '''
+def digit_share(text):
+    text = text.strip()
+    return sum(c.isdigit() for c in text) / max(1, len(text))
+'''
+
+ENV_MODULE = '''
+"""Calculator questions, one turn; reward = share of digit characters (benchmark only)."""
+import palaestra.envs as envs
+from palaestra.envs import Env, StepResult
+from palaestra.envs.calculator import make_task
+from palaestra.types import Message
+''' + REWARD_SRC + '''
+
+class DigitsEnv(Env):
+    step_in_thread = False
+
+    def sample_task(self, rng):
+        return make_task(rng, 10, 999, 2, ("+", "-", "*"))
+
+    def initial_messages(self, task):
+        return [Message("user", task["question"])]
+
+    def on_action(self, action):
+        return StepResult(reward=digit_share(action.content), terminated=True)
+
+
+envs.register("bench/Digits-v0", entry_point=DigitsEnv)
+'''
+
+PALAESTRA_SIDE = '''
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from palaestra.config import load_config
+from palaestra.trainers.config import TrainConfig
+from palaestra.trainers.loop import train
+cfg = load_config(TrainConfig, sys.argv[2])
+t0 = time.perf_counter()
+train(cfg)
+rows = [json.loads(l) for l in open(cfg.out + "/metrics.jsonl")]
+rl = [r for r in rows if r["phase"] == "rl"]
+print(json.dumps({"step_s": [r["time/step_s"] for r in rl], "reward": [r["reward_mean"] for r in rl],
+                  "total_s": time.perf_counter() - t0}))
+'''
+
+TRL_SIDE = '''
+import json, sys, time
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+''' + REWARD_SRC + '''
+model_dir, out, steps, prompts, group, tokens, lr, seed = sys.argv[1:9]
+steps, prompts, group, tokens = int(steps), int(prompts), int(group), int(tokens)
+import numpy as np
+rng = np.random.default_rng(int(seed))
+sys.path.insert(0, sys.argv[9])
+from palaestra.envs.calculator import make_task
+rows = [{"prompt": [{"role": "user", "content": make_task(rng, 10, 999, 2, ("+", "-", "*"))["question"]}]}
+        for _ in range(prompts * steps)]
+def reward(completions, **kw):
+    return [digit_share(c[0]["content"] if isinstance(c, list) else c) for c in completions]
+class Timer(TrainerCallback):
+    def __init__(self): self.t, self.times, self.rewards = None, [], []
+    def on_step_begin(self, args, state, control, **kw): self.t = time.perf_counter()
+    def on_step_end(self, args, state, control, **kw): self.times.append(time.perf_counter() - self.t)
+    def on_log(self, args, state, control, logs=None, **kw):
+        if logs and "reward" in logs: self.rewards.append(logs["reward"])
+tok = AutoTokenizer.from_pretrained(model_dir)
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=prompts * group, num_generations=group,
+                 generation_batch_size=prompts * group, max_completion_length=tokens,
+                 learning_rate=float(lr), max_steps=steps, logging_steps=1, report_to=[], use_cpu=True,
+                 bf16=False, save_strategy="no", temperature=1.0, beta=0.0, seed=int(seed),
+                 loss_type="grpo", scale_rewards="group")
+timer = Timer()
+trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=Dataset.from_list(rows),
+                      processing_class=tok, callbacks=[timer])
+t0 = time.perf_counter()
+trainer.train()
+print(json.dumps({"step_s": timer.times, "reward": timer.rewards, "total_s": time.perf_counter() - t0}))
+'''
+
+
+def _last_json(text: str) -> dict:
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError(f"no result line in the output:\n{text[-2000:]}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--size", default="10m")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--trl-python", default=sys.executable)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+
+    from palaestra.tiny_model import build_model
+
+    work = Path(tempfile.mkdtemp(prefix="vs_trl_"))
+    model_dir = build_model(work / "model", args.size, max_position_embeddings=1024)
+    (work / "bench_digits.py").write_text(ENV_MODULE)
+    config = work / "palaestra.toml"
+    config.write_text(f'''
+out = "{work / "palaestra-run"}"
+seed = 0
+[model]
+path = "{model_dir}"
+[env]
+id = "bench_digits:bench/Digits-v0"
+[agent]
+max_context = 1024
+tools_in_prompt = false
+drift_rate = 0.0
+[rollout]
+batch_size = {args.prompts}
+group_size = {args.group}
+max_new_tokens = {args.tokens}
+temperature = 1.0
+cluster = "local"
+num_workers = 1
+[engine]
+device = "cpu"
+max_running = {args.prompts * args.group}
+[trainer]
+steps = {args.steps}
+[trainer.torch]
+device = "cpu"
+lr = {args.lr}
+pack_sequences = false
+[trainer.loss]
+preset = "grpo"
+[eval]
+num_tasks = 1
+[checkpoint]
+interval = 1000
+[logging]
+progress = false
+tensorboard = false
+''')
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    results = {}
+    for name, cmd in (
+        ("palaestra", [sys.executable, "-c", PALAESTRA_SIDE, str(work), str(config)]),
+        ("trl", [args.trl_python, "-c", TRL_SIDE, str(model_dir), str(work / "trl-run"),
+                 str(args.steps), str(args.prompts), str(args.group), str(args.tokens),
+                 str(args.lr), "0", str(work)]),
+    ):
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            results[name] = {"error": proc.stderr[-1500:]}
+            continue
+        results[name] = _last_json(proc.stdout)
+        results[name]["wall_s"] = time.perf_counter() - start
+    print(f"{'system':10s} {'s/step (mean)':>14s} {'s/step (last)':>14s} {'reward first':>13s} {'reward last':>12s}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:10s} ERROR: {r['error'].strip().splitlines()[-1] if r['error'].strip() else ''}")
+            continue
+        steps, rewards = r["step_s"], r["reward"]
+        print(f"{name:10s} {sum(steps) / len(steps):14.2f} {steps[-1]:14.2f} "
+              f"{rewards[0]:13.3f} {rewards[-1]:12.3f}")
+    if all("step_s" in r for r in results.values()):
+        speedup = (sum(results["trl"]["step_s"]) / len(results["trl"]["step_s"])) / (
+            sum(results["palaestra"]["step_s"]) / len(results["palaestra"]["step_s"]))
+        results["speedup_per_step"] = speedup
+        print(f"palaestra is {speedup:.2f}x TRL per step")
+    results["settings"] = vars(args)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
