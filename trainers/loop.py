@@ -249,6 +249,9 @@ async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, en
                     await evaluate_stage(cfg, run, engine, spec, f"step-{step + 1}", step + 1)
                 if (step + 1) % cfg.checkpoint.interval == 0 or step + 1 == cfg.trainer.steps:
                     _save_rl(cfg, run, backend, manager, step + 1)
+        # the trained policy as a Hugging Face folder (tokenizer included): `palaestra eval
+        # --model <out>/final-model`, SGLang or transformers load it as it is
+        backend.export_hf(run.root / "final-model")
     finally:
         progress.close()
         if server is not None:
