@@ -26,7 +26,7 @@ class ToolEnv(MultiTurnEnv):
     """Multi-turn env with tools; subclasses implement `initial_messages` and `score`."""
 
     step_in_thread: ClassVar[bool] = False  # tools decide themselves whether to use a thread
-    snapshot_exclude: ClassVar[tuple[str, ...]] = ("_dataset", "_tools")
+    snapshot_exclude: ClassVar[tuple[str, ...]] = ("_dataset", "_tools", "_schemas")
 
     def __init__(
         self,
@@ -40,6 +40,7 @@ class ToolEnv(MultiTurnEnv):
     ) -> None:
         super().__init__(max_turns=max_turns, **kwargs)
         self._tools = collect_tools(self, list(tools or []))
+        self._schemas: list[dict[str, Any]] | None = None  # built on first use, then reused
         self.max_tool_output_chars = max_tool_output_chars
         self.max_consecutive_errors = max_consecutive_errors
         self.tool_timeout_s = tool_timeout_s
@@ -50,7 +51,9 @@ class ToolEnv(MultiTurnEnv):
         return self._tools
 
     def tool_schemas(self) -> list[dict[str, Any]]:
-        return [t.schema() for t in self._tools.values()]
+        if self._schemas is None:  # pydantic schema generation costs ~0.3 ms per reset otherwise
+            self._schemas = [t.schema() for t in self._tools.values()]
+        return [dict(s) for s in self._schemas]
 
     def on_reset(self, task: Mapping[str, Any]) -> None:
         self.consecutive_errors = 0

@@ -54,7 +54,33 @@ _EXPORTS = {
     "WorkerPool": "palaestra.rollout.cluster",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "DataSource",
+    "EngineSpec",
+    "EpisodeState",
+    "GroupFilter",
+    "GroupResult",
+    "GroupTask",
+    "PlacementConfig",
+    "PlacementPlan",
+    "RolloutBatch",
+    "RolloutConfig",
+    "RolloutManager",
+    "RolloutWorker",
+    "TaskItem",
+    "ToolCache",
+    "WorkerConfig",
+    "WorkerPool",
+    "balance_by_tokens",
+    "collate",
+    "judge_group",
+    "load_rows",
+    "micro_batches",
+    "nonzero_variance",
+    "plan_placement",
+    "run_episode",
+    "summarize",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -60,8 +60,10 @@ def load_rows(path: str | Path, *, split: str = "train") -> list[dict[str, Any]]
             raise ConfigError(f"{p}: a .json data file must hold a list of row objects")
         return data
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as exc:
+            raise ConfigError(f"reading {p.name} needs pyarrow: pip install pyarrow") from exc
         return pq.read_table(p).to_pylist()
     raise ConfigError(
         f"unsupported data file {p.name!r}; use .jsonl, .json, .parquet or a folder saved with "
@@ -73,7 +75,7 @@ def _load_hf_folder(path: Path, split: str) -> list[dict[str, Any]]:
     try:
         import datasets
     except ImportError as exc:
-        raise ConfigError(f"{path} is a folder; reading it needs `pip install datasets`") from exc
+        raise ConfigError(f"{path} is a folder; reading it needs: pip install datasets") from exc
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:

@@ -144,9 +144,10 @@ async def run_episode(
             if not agent.on_observation(obs):
                 stop = StopReason.TRUNCATED
             st.agent_s += thread_time() - t
-    except (TimeoutError, asyncio.TimeoutError):
-        stop, error = StopReason.TIMEOUT, f"{stage}: timed out after {step_timeout_s} s"
-    except Exception as exc:  # a bad rollout is data, not a crash
+    except (TimeoutError, asyncio.TimeoutError) as exc:
+        limit = f" after {step_timeout_s} s" if stage.startswith("env") and step_timeout_s else ""
+        stop, error = StopReason.TIMEOUT, f"{stage}: timed out{limit} {exc}".rstrip()
+    except Exception as exc:  # noqa: BLE001 -- a bad rollout is data, not a crash
         stop, error = StopReason.ERROR, f"{stage}: {type(exc).__name__}: {exc}"
     st.wall_s += perf_counter() - began
     return _trajectory(st, agent, stop, error, env_id, group_id)
@@ -176,7 +177,7 @@ def _trajectory(
             )
             samples = (sample,)
             messages = tuple(agent.messages)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- recorded on the trajectory
             stop = StopReason.ERROR
             error = error or f"agent.to_sample: {type(exc).__name__}: {exc}"
     tool_calls = sum(int(t.info.get("tool_calls", 0)) for t in st.turns)
@@ -215,7 +216,7 @@ def _trajectory(
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _runner(target: str) -> Any:
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)

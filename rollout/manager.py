@@ -31,7 +31,7 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import CheckpointError, EngineError, RolloutError
 from palaestra.rollout.cluster import WorkerHandle, WorkerPool
@@ -42,6 +42,9 @@ from palaestra.rollout.groups import judge_group, resolve_filters
 from palaestra.rollout.metrics import summarize
 from palaestra.rollout.worker import GroupResult, GroupTask
 from palaestra.types import Sample, Trajectory
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 @dataclass
@@ -163,7 +166,7 @@ class RolloutManager:
             await self._control.close()
             self._control = None
 
-    async def __aenter__(self) -> RolloutManager:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -285,7 +288,7 @@ class RolloutManager:
     def _absorb(self, worker: int, fut: asyncio.Future[list[GroupResult]]) -> None:
         try:
             results = fut.result()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- a dead worker (RayActorError and kin)
             self._lose_worker(worker, exc)
             return
         c = self._step.counters

@@ -21,7 +21,7 @@ def tasks_from_env(
     env_id: str, num_tasks: int, *, seed: int = 0, env_kwargs: Mapping[str, Any] | None = None
 ) -> list[dict[str, Any]]:
     """``num_tasks`` rows ``{"env_id", **task}`` drawn with ``env.sample_task`` from ``seed``."""
-    import palaestra.envs as envs
+    from palaestra import envs
 
     env = envs.make(env_id, **dict(env_kwargs or {}))
     rng = np.random.default_rng(seed)
@@ -43,7 +43,7 @@ async def evaluate_tasks(
     pass_threshold: float = 1.0,
 ) -> tuple[dict[str, float], list[Trajectory]]:
     """Play each task once; success = reward >= ``pass_threshold``. Returns metrics, episodes."""
-    import palaestra.envs as envs
+    from palaestra import envs
     from palaestra.rollout.episode import run_episode
 
     limit = asyncio.Semaphore(concurrency)

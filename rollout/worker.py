@@ -50,7 +50,7 @@ class GroupResult:
 
 
 class _Group:
-    __slots__ = ("task", "states", "envs", "agents", "results", "active")
+    __slots__ = ("active", "agents", "envs", "results", "states", "task")
 
     def __init__(self, task: GroupTask) -> None:
         n = len(task.seeds)
@@ -321,7 +321,7 @@ class RolloutWorker:
                 group_id=t.group_id,
                 state=group.states[i],
             )
-        except Exception as exc:  # env construction or agent build failed
+        except Exception as exc:  # noqa: BLE001 -- env construction or agent build failed
             traj = _failed(t, f"worker: {type(exc).__name__}: {exc}")
         group.active.discard(i)
         if traj.stop_reason is StopReason.ABORTED:

@@ -11,5 +11,5 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
 "$VENV/bin/python" -m pip install -q "torch==2.13.0" || "$VENV/bin/python" -m pip install -q "torch>=2.4"
-"$VENV/bin/python" -m pip install -q -e ".[ray,docker,sandbox,dev]"
+"$VENV/bin/python" -m pip install -q -e ".[ray,docker,sandbox,data,dev]"
 echo "palaestra installed in $VENV (activate with: source $VENV/bin/activate)"

@@ -82,7 +82,7 @@ async def _run(name: str, pool: Any, worker_config: Any, episodes: int, concurre
         "setting": name,
         "concurrency": concurrency,
         "episodes": int(finished),
-        "env_steps": int(round(steps)),
+        "env_steps": round(steps),
         "errors": int(m["episodes/failed"]),
         "wall_s": round(wall, 3),
         "env_steps_per_s": round(steps / wall, 1),

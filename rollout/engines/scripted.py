@@ -14,6 +14,7 @@ With ``latency_s == 0`` a request yields to the event loop once and returns at o
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,7 +45,7 @@ class ScriptedEngine:
     ) -> None:
         if not callable(script):
             canned = tuple(int(t) for t in script)
-            script = lambda _ids, _rng: canned  # noqa: E731
+            script = lambda _ids, _rng: canned
         self._script: Script = script
         self.latency_s = float(latency_s)
         self._version = int(version)
@@ -157,7 +158,7 @@ class ScriptedEngine:
 
     def score(self, token_ids: Sequence[int]) -> list[float]:
         """Logprob of every token given the previous one (0.0 for the first): a "forward pass"."""
-        return [0.0] + [scripted_logprob(p, t) for p, t in zip(token_ids, token_ids[1:])]
+        return [0.0] + [scripted_logprob(p, t) for p, t in itertools.pairwise(token_ids)]
 
     async def update_weights(
         self,

@@ -41,11 +41,16 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture()
 def ray_pool(ray_cluster, tokenizer_dir):
-    """Two rollout workers as Ray actors (0.5 CPU each, so the 2-CPU cluster has room left)."""
-    from palaestra.rollout import WorkerPool
+    """Two fresh rollout workers as Ray actors (0.5 CPU each, so the 2-CPU cluster has room left).
+
+    Fresh per test: a pool shared across modules carried one test's worker state into the next
+    and hung the record/replay test once in a whole-suite run.
+    """
     from rollout_helpers import worker_config
+
+    from palaestra.rollout import WorkerPool
 
     pool = WorkerPool(worker_config(tokenizer_dir), 2, cluster="ray", num_cpus=0.5)
     asyncio.run(pool.start())

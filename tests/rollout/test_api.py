@@ -7,7 +7,7 @@ import inspect
 import subprocess
 import sys
 
-import palaestra.rollout as rollout
+from palaestra import rollout
 from palaestra.rollout import RolloutBatch, RolloutManager, run_episode
 
 

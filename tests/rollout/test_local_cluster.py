@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import pytest
-
 from rollout_helpers import calc_rows
+
 from palaestra.agents import AgentSpec
 from palaestra.errors import ConfigError
 from palaestra.rollout import DataSource, EngineSpec, RolloutConfig, RolloutManager, WorkerConfig

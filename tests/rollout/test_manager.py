@@ -7,13 +7,15 @@ import asyncio
 import random
 
 import pytest
-
 from rollout_helpers import calc_rows, worker_config
+
 from palaestra.errors import RolloutError
 from palaestra.rollout import DataSource, RolloutConfig, RolloutManager
 from palaestra.rollout.engines.scripted import scripted_logprob
 from palaestra.rollout.testing import FLAKY_ENTRY, CalculatorPolicy
 from palaestra.types import StopReason
+
+pytestmark = pytest.mark.timeout(300)
 
 
 def manager(pool, tokenizer_dir, rows, *, wc=None, seed=0, **cfg) -> RolloutManager:

@@ -14,8 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from rollout_helpers import calc_rows
+
+pytestmark = pytest.mark.timeout(600)
+
 from palaestra.agents import AgentSpec
 from palaestra.rollout import DataSource, EngineSpec, RolloutConfig, RolloutManager, WorkerConfig
 from palaestra.rollout.engines.base import SamplingParams
@@ -96,9 +98,10 @@ async def test_killing_one_engine_mid_rollout_loses_no_episode(ray_pool, servers
                               http_config(model_dir, urls, max_new_tokens=48), cfg,
                               pool=ray_pool) as m:
         run = asyncio.ensure_future(m.generate_batch(0))
+        deadline = time.monotonic() + 120
         while len(m._step.finished) < 16:  # let episodes reach both engines first
             await asyncio.sleep(0.05)
-            assert not run.done()
+            assert not run.done() and time.monotonic() < deadline
         servers[1][0].kill()
         batch = await run
         stats = await m.worker_stats()
