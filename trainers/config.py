@@ -106,6 +106,25 @@ class EngineSection(Section):
     """Device of the embedded engine (None: CUDA if available, else CPU)."""
     max_running: int = 256
     """Requests decoded together by the embedded engine."""
+    weight_sync: Literal["auto", "in_process", "distributed", "disk", "tensor"] = "auto"
+    """How new weights reach the engines after each step. in_process: the embedded engine's
+    tensors are overwritten; distributed: SGLang's weight-update group (NCCL broadcast, or gloo);
+    disk: safetensors in ``sync_dir`` + /update_weights_from_disk; tensor: base64 safetensors
+    over HTTP (palaestra serve only). auto: in_process for the embedded engine; for SGLang
+    servers distributed over NCCL when CUDA is here, else disk."""
+    sync_backend: Literal["nccl", "gloo"] = "nccl"
+    """Collective of the distributed sync ("gloo" moves CPU tensors, e.g. to a CPU server)."""
+    sync_master_address: str = "127.0.0.1"
+    """This trainer's address as the servers reach it (rendezvous of the weight-update group)."""
+    sync_master_port: int = 0
+    """Port of that rendezvous (0: any free port)."""
+    sync_bucket_mb: int = 512
+    """Size of one transfer bucket (a tensor larger than this goes alone)."""
+    sync_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Cast floating weights to this dtype on the way (None: as trained), e.g. bfloat16 for
+    SGLang servers in bf16."""
+    sync_dir: str = "{out}/engine-weights"
+    """Disk sync: a folder the servers can read ({out} is the run directory)."""
 
 
 class WarmupSection(Section):
@@ -215,6 +234,13 @@ class TrainConfig(Section):
             problems.append("warmup.steps > 0 needs warmup.demonstrations")
         if self.engine.kind == "sglang" and not self.engine.urls:
             problems.append("engine.kind = 'sglang' needs engine.urls (attach to running servers)")
+        if self.engine.kind == "local" and self.engine.weight_sync not in ("auto", "in_process"):
+            problems.append(f"engine.weight_sync = {self.engine.weight_sync!r} needs SGLang "
+                            "servers (engine.kind = 'sglang'); the embedded engine is updated "
+                            "in process")
+        if self.engine.kind == "sglang" and self.engine.weight_sync == "in_process":
+            problems.append("engine.weight_sync = 'in_process' needs the embedded engine; for "
+                            "SGLang servers use distributed, disk or tensor")
         if self.trainer.backend == "megatron" and not _megatron_installed():
             problems.append(
                 "trainer.backend = 'megatron' needs megatron-core (pip install "

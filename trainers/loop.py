@@ -9,7 +9,8 @@ weights to the engines (version v+1) -> metrics -> checkpoint. Async: the manage
 k+1 while step k trains (in a worker thread, so the engine keeps serving), bounded by
 ``rollout.max_staleness``. The embedded engine lives in this process: ``cluster = "local"`` hands
 it to in-process workers; ``cluster = "ray"`` serves it over loopback HTTP (SGLang's native API)
-to Ray workers. Weights always go to the engine in process.
+to Ray workers. ``engine.kind = "sglang"`` attaches to SGLang servers instead; `EngineSync` moves
+the weights after every step (in process, NCCL/gloo broadcast, disk or HTTP tensors).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from palaestra.config import save_resolved
 from palaestra.trainers.config import TrainConfig
+from palaestra.trainers.engine_sync import EngineSync
 from palaestra.trainers.run_dir import RunDir, plot_curves
 
 
@@ -65,6 +67,11 @@ def sampling_params(cfg: TrainConfig, temperature: float | None = None) -> Any:
 
 
 def build_engine(cfg: TrainConfig, model_path: Path) -> Any:
+    """The embedded engine, or a client over the SGLang servers of ``engine.urls``."""
+    if cfg.engine.kind == "sglang":
+        from palaestra.rollout.engines.sglang import SGLangEngine
+
+        return SGLangEngine(cfg.engine.urls)
     from palaestra.rollout.engines import LocalEngine
 
     return LocalEngine(
@@ -179,7 +186,9 @@ async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, en
     data = DataSource(_train_rows(cfg), env_id=cfg.env.id, shuffle=cfg.data.shuffle,
                       seed=cfg.data.seed, epochs=cfg.data.epochs)
     server = None
-    if r.cluster == "ray":
+    if r.cluster == "ray" and cfg.engine.kind == "sglang":
+        engine_spec, live_engine = EngineSpec.http(cfg.engine.urls), None
+    elif r.cluster == "ray":
         from palaestra.rollout.engines.serve import start_server
 
         server = await start_server(engine, port=0)
@@ -187,6 +196,7 @@ async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, en
         live_engine = None
     else:
         engine_spec, live_engine = EngineSpec(), engine
+    sync = EngineSync.from_config(cfg, engine, policy_path)
     worker_cfg = WorkerConfig(
         engine=engine_spec, agent=spec, sampling=sampling_params(cfg),
         env_kwargs={cfg.env.id: dict(cfg.env.kwargs)}, max_turns=r.max_turns,
@@ -205,11 +215,11 @@ async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, en
         state = backend.load(latest)  # the saved extras sit beside the backend's own keys
         start_step = int(state["rl_step"])
         manager.load_state_dict(state["rollout"])
-        await engine.update_weights(backend.state_dict_for_engines(), version=start_step)
+        await sync.push_now(backend, start_step)
         run.truncate_metrics_after("rl", start_step - 1)
         print(f"resumed RL from {latest.name} (step {start_step})", flush=True)
-    elif engine.weight_version != 0:
-        await engine.update_weights(backend.state_dict_for_engines(), version=0)
+    elif engine.weight_version != 0 or cfg.engine.kind == "sglang":
+        await sync.push_now(backend, 0)  # servers may hold anything: start them at the policy
     progress = _progress(cfg, start_step)
     evaluator = None
     if cfg.benchmark_eval.benchmarks:
@@ -232,14 +242,15 @@ async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, en
                         backend.train_step, train_batch, cfg.trainer.loss
                     )
                 t2 = time.perf_counter()
-                weights = backend.state_dict_for_engines()
                 sync_times = await manager.update_weights(
-                    push=_push_in_process(engine, weights, step + 1), version=step + 1
+                    push=sync.push(backend, step + 1), version=step + 1
                 )
                 t3 = time.perf_counter()
                 record = _step_record(step, batch.metrics, train_metrics, sync_times,
                                       rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
                                       warmup_steps=cfg.warmup.steps)
+                if sync.last is not None:
+                    record.update(sync.last.as_metrics())
                 if evaluator is not None and evaluator.due(step + 1):
                     record.update(await evaluator.evaluate(engine, step + 1))
                 run.log_metrics(record)
@@ -254,15 +265,9 @@ async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, en
         backend.export_hf(run.root / "final-model")
     finally:
         progress.close()
+        await sync.close()
         if server is not None:
             await server.close()
-
-
-def _push_in_process(engine: Any, weights: dict[str, Any], version: int) -> Any:
-    async def push(_control: Any) -> None:
-        await engine.update_weights(weights, version=version)
-
-    return push
 
 
 def _save_rl(cfg: TrainConfig, run: RunDir, backend: Any, manager: Any, step: int) -> None:
@@ -343,6 +348,8 @@ async def train_async(cfg: TrainConfig) -> dict[str, Any]:
             return {}
         engine = build_engine(cfg, model_path)
         try:
+            if cfg.engine.kind == "sglang":
+                await engine.start()
             if not run.has_eval("init"):
                 await evaluate_stage(cfg, run, engine, spec, "init")
             policy_path = model_path

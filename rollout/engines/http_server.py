@@ -3,8 +3,9 @@
 Endpoints, request bodies and responses follow SGLang's ``http_server.py`` and ``io_struct.py``
 (field tables in `sglang_protocol`), so `SGLangEngine` and any SGLang client talk to this server
 as to SGLang itself. Differences, all answered with a clear 400: ``/update_weights_from_tensor``
-takes base64 safetensors payloads (see `tensor_payload`), NCCL weight-update groups need CUDA and
-are not implemented, and multimodal inputs, LoRA, prompt logprobs and grammars are refused.
+takes base64 safetensors payloads (see `tensor_payload`), weight-update groups (`weight_group`)
+take "nccl" on a CUDA engine and also "gloo" (CPU), and multimodal inputs, LoRA, prompt logprobs
+and grammars are refused.
 The OpenAI-compatible routes live in `openai_api`.
 """
 
@@ -62,6 +63,7 @@ class ServerState:
     port: int = 0
     started: float = field(default_factory=time.time)
     weight_label: str | None = None  # a non-numeric /update_weight_version label
+    weight_groups: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # name -> (group, device)
 
     @property
     def weight_version(self) -> str:
@@ -326,29 +328,80 @@ def build_app(state: ServerState) -> web.Application:
         return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
     async def init_group(request: web.Request) -> web.Response:
+        from palaestra.rollout.engines.weight_group import init_weight_group
+
         body = sp.check_body(await read_json(request), sp.INIT_WEIGHTS_UPDATE_GROUP_REQ_INPUT,
                              "InitWeightsUpdateGroupReqInput")
-        return web.json_response({"success": False, "message": (
-            f"cannot join weight-update group {body.get('group_name', 'weight_update_group')!r}: "
-            "palaestra serve does not implement NCCL weight-update groups (they need CUDA and "
-            "torch.distributed on both sides); send weights with /update_weights_from_tensor "
-            "or /update_weights_from_disk, or run SGLang")}, status=400)
+        name = body.get("group_name", "weight_update_group")
+        backend = body.get("backend", "nccl")
+        if name in state.weight_groups:
+            return web.json_response({"success": False, "message": (
+                f"weight-update group {name!r} exists; destroy it first")}, status=400)
+        if backend == "nccl" and engine.device.type != "cuda":
+            return web.json_response({"success": False, "message": (
+                f"this server runs on {engine.device}; NCCL needs a CUDA engine: use backend "
+                "'gloo', or /update_weights_from_tensor or /update_weights_from_disk")},
+                status=400)
+        try:  # blocks until the trainer (rank 0) and every server joined: off the event loop
+            group = await asyncio.to_thread(
+                init_weight_group, backend=backend, master_address=body["master_address"],
+                master_port=int(body["master_port"]), world_size=int(body["world_size"]),
+                rank=int(body["rank_offset"]), group_name=name,
+                device=engine.device if backend == "nccl" else None)
+        except (RuntimeError, ValueError, OSError) as exc:  # rendezvous failed or timed out
+            return web.json_response({"success": False, "message": (
+                f"Failed to initialize custom process group: {exc}.")}, status=400)
+        state.weight_groups[name] = (group, engine.device if backend == "nccl" else "cpu")
+        return web.json_response({"success": True,
+                                  "message": "Succeeded to initialize custom process group."})
 
     async def update_from_distributed(request: web.Request) -> web.Response:
+        from palaestra.rollout.engines.weight_group import receive_tensors
+
         body = sp.check_body(await read_json(request), sp.UPDATE_WEIGHTS_FROM_DISTRIBUTED_REQ_INPUT,
                              "UpdateWeightsFromDistributedReqInput")
         if not len(body["names"]) == len(body["dtypes"]) == len(body["shapes"]):
             raise ConfigError("names, dtypes and shapes must have the same length")
-        return web.json_response({"success": False, "message": (
-            f"no weight-update group {body.get('group_name', 'weight_update_group')!r}: "
-            "palaestra serve does not implement NCCL broadcasts; use "
-            "/update_weights_from_tensor or /update_weights_from_disk")}, status=400)
+        if body.get("load_format") not in (None, "auto"):
+            raise ConfigError(f"load_format {body['load_format']!r} is not supported here; "
+                              "broadcast tensor by tensor (load_format null)")
+        name = body.get("group_name", "weight_update_group")
+        if name not in state.weight_groups:
+            return web.json_response({"success": False, "message": (
+                f"no weight-update group {name!r}: call /init_weights_update_group first")},
+                status=400)
+        group, device = state.weight_groups[name]
+        # receive first (the trainer is broadcasting now), then swap them in between two steps
+        tensors = await asyncio.to_thread(receive_tensors, group, body["names"], body["dtypes"],
+                                          body["shapes"], device)
+
+        async def load(version: int | None) -> None:
+            await engine.update_weights(tensors, version=version)
+
+        ok, message, _ = await _update(body, load)
+        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
     async def destroy_group(request: web.Request) -> web.Response:
-        sp.check_body(await read_json(request), sp.DESTROY_WEIGHTS_UPDATE_GROUP_REQ_INPUT,
-                      "DestroyWeightsUpdateGroupReqInput")
-        return web.json_response({"success": False, "message": "no weight-update group exists"},
-                                 status=400)
+        from palaestra.rollout.engines.weight_group import destroy_weight_group
+
+        body = sp.check_body(await read_json(request), sp.DESTROY_WEIGHTS_UPDATE_GROUP_REQ_INPUT,
+                             "DestroyWeightsUpdateGroupReqInput")
+        entry = state.weight_groups.pop(body.get("group_name", "weight_update_group"), None)
+        if entry is None:
+            return web.json_response({"success": False, "message": (
+                "The group to be destroyed does not exist.")}, status=400)
+        await asyncio.to_thread(destroy_weight_group, entry[0])
+        return web.json_response({"success": True,
+                                  "message": "Succeeded to destroy custom process group."})
+
+    async def weights_by_name(request: web.Request) -> web.Response:
+        raw = await read_json(request)
+        if raw is None:  # GET with a query string instead of SGLang's JSON body
+            raw = {k: int(v) if k == "truncate_size" and v.lstrip("-").isdigit() else v
+                   for k, v in request.query.items()}
+        body = sp.check_body(raw, sp.GET_WEIGHTS_BY_NAME_REQ_INPUT, "GetWeightsByNameReqInput")
+        values = engine.get_weight(body["name"], int(body.get("truncate_size", 100)))
+        return web.json_response(values)
 
     async def pause(request: web.Request) -> web.Response:
         body = sp.check_body(await read_json(request), sp.PAUSE_GENERATION_REQ_INPUT,
@@ -406,6 +459,8 @@ def build_app(state: ServerState) -> web.Application:
     r.add_post("/update_weights_from_distributed", update_from_distributed)
     r.add_post("/init_weights_update_group", init_group)
     r.add_post("/destroy_weights_update_group", destroy_group)
+    r.add_route("GET", "/get_weights_by_name", weights_by_name)
+    r.add_post("/get_weights_by_name", weights_by_name)
     r.add_post("/pause_generation", pause)
     r.add_post("/continue_generation", resume)
     r.add_post("/abort_request", abort)

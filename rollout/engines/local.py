@@ -246,6 +246,14 @@ class LocalEngine:
             if not req.future.done():
                 self._request_abort(req, "the stream was closed by the caller")
 
+    def get_weight(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first ``truncate_size`` rows of the weight ``name`` (HF name) as float lists."""
+        tensor = self.decoder.weight(name)
+        if tensor is None:
+            raise EngineError(f"no weight named {name!r}; names are the checkpoint's Hugging "
+                              f"Face names, e.g. {self.decoder.weight_names[0]!r}")
+        return tensor[:max(truncate_size, 0)].float().cpu().tolist()  # type: ignore[no-any-return]
+
     async def update_weights(
         self,
         state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]] | None = None,

@@ -198,6 +198,10 @@ class Decoder:
     def weight_names(self) -> list[str]:
         return list(self._views)
 
+    def weight(self, name: str) -> torch.Tensor | None:
+        """The tensor (or fused slice) holding the HF weight ``name``; None if there is none."""
+        return self._views.get(name)
+
     def num_bytes(self) -> int:
         seen = {self.embed.data_ptr(): self.embed.numel() * self.embed.element_size()}
         for t in (self.lm_head, self.final_norm):

@@ -209,6 +209,47 @@ class SGLangClient:
         pairs = list(named.items() if isinstance(named, Mapping) else named)
         return base64.b64encode(MultiprocessingSerializer.serialize(pairs)).decode("ascii")
 
+    # ------------------------------------------------------ weight-update groups (NCCL / gloo)
+    async def init_weights_update_group(self, *, master_address: str, master_port: int,
+                                        rank_offset: int, world_size: int, group_name: str,
+                                        backend: str = "nccl", timeout_s: float = 600.0
+                                        ) -> dict[str, Any]:
+        """Ask the server to join a weight-update group (answers once the group formed)."""
+        return await self.request("POST", "/init_weights_update_group", {  # type: ignore[no-any-return]
+            "master_address": master_address, "master_port": master_port,
+            "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
+            "backend": backend}, retries=0, timeout_s=timeout_s)
+
+    async def update_weights_from_distributed(self, *, names: Sequence[str], dtypes: Sequence[str],
+                                              shapes: Sequence[Sequence[int]], group_name: str,
+                                              version: int, flush_cache: bool = False,
+                                              timeout_s: float = 600.0) -> dict[str, Any]:
+        """Announce one bucket; the caller broadcasts its tensors (in this order) meanwhile."""
+        out = await self.request("POST", "/update_weights_from_distributed", {
+            "names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+            "group_name": group_name, "flush_cache": flush_cache,
+            "weight_version": str(version)}, retries=0, timeout_s=timeout_s)
+        if isinstance(out, dict) and out.get("success"):
+            self._version = int(version)
+        return out  # type: ignore[no-any-return]
+
+    async def destroy_weights_update_group(self, group_name: str) -> dict[str, Any]:
+        return await self.request("POST", "/destroy_weights_update_group",  # type: ignore[no-any-return]
+                                  {"group_name": group_name}, retries=0)
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first ``truncate_size`` rows of a weight (HF name), for checks."""
+        return await self.request("GET", "/get_weights_by_name",  # type: ignore[no-any-return]
+                                  {"name": name, "truncate_size": truncate_size})
+
+    async def flush_cache_quietly(self) -> bool:
+        """Flush the prefix cache; False when the server declined (requests still running)."""
+        try:
+            await self.request("POST", "/flush_cache", retries=0)
+        except EngineError:
+            return False
+        return True
+
     async def pause(self, mode: str = "in_place") -> None:
         await self.request("POST", "/pause_generation", {"mode": mode})
 

@@ -109,6 +109,9 @@ INIT_WEIGHTS_UPDATE_GROUP_REQ_INPUT: dict[str, FieldSpec] = {
     **_BASE_REQ, "master_address": ("str",), "master_port": ("int",), "rank_offset": ("int",),
     "world_size": ("int",), "group_name": ("str",), "backend": ("str",),
 }
+GET_WEIGHTS_BY_NAME_REQ_INPUT: dict[str, FieldSpec] = {
+    **_BASE_REQ, "name": ("str",), "truncate_size": ("int",),
+}
 DESTROY_WEIGHTS_UPDATE_GROUP_REQ_INPUT: dict[str, FieldSpec] = {
     **_BASE_REQ, "group_name": ("str",),
 }
@@ -132,6 +135,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "InitWeightsUpdateGroupReqInput": ("master_address", "master_port", "rank_offset",
                                        "world_size"),
     "UpdateWeightVersionReqInput": ("new_version",),
+    "GetWeightsByNameReqInput": ("name",),
 }
 
 #: Keys of ``meta_info`` in a /generate response (tokenizer_manager._handle_batch_output and
@@ -192,6 +196,7 @@ __all__ = [
     "GENERATE_META_INFO_KEYS",
     "GENERATE_REQ_INPUT",
     "GENERATE_RESPONSE_KEYS",
+    "GET_WEIGHTS_BY_NAME_REQ_INPUT",
     "INIT_WEIGHTS_UPDATE_GROUP_REQ_INPUT",
     "SAMPLING_PARAMS",
     "SGLANG_HTTP_SERVER_COMMIT",

@@ -252,3 +252,64 @@ tensorboard = false
     b = {r["step"]: r["loss"] for r in _read(killed / "metrics.jsonl")}
     assert sorted(b) == list(range(40)), "steps are missing or repeated after the resume"
     assert b == a  # bit-identical losses, including the steps after the resume
+
+
+@pytest.mark.parametrize("method", ["distributed", "disk"])
+def test_grpo_against_a_separate_server_process(tmp_path, micro_model, yes_env, method):
+    """engine.kind = "sglang": a `palaestra serve` process rolls out; the weights reach it after
+    every step over SGLang's weight-update group (gloo here, NCCL on GPUs) or through disk."""
+    import asyncio
+
+    import torch
+    from safetensors.torch import load_file
+
+    from palaestra.rollout.engines.sglang import ServerProcess, SGLangClient
+    from palaestra.rollout.engines.weight_transfer import free_port
+    from palaestra.trainers.loop import train
+
+    port = free_port()
+    server = ServerProcess([sys.executable, "-m", "palaestra", "serve", "--model", str(micro_model),
+                            "--port", str(port), "--device", "cpu", "--threads", "1"],
+                           f"http://127.0.0.1:{port}", log_path=tmp_path / "serve.log")
+    try:
+        asyncio.run(server.wait_ready(120))
+        body = _base(tmp_path, micro_model) + f'''
+[env]
+id = "yes_env:tests/Long-v0"
+[data]
+num_tasks = 64
+[trainer]
+steps = 2
+[trainer.loss]
+preset = "grpo"
+'''
+        body = body.replace('[engine]\ndevice = "cpu"\nmax_running = 64', f'''[engine]
+kind = "sglang"
+urls = ["{server.url}"]
+weight_sync = "{method}"
+sync_backend = "gloo"
+sync_bucket_mb = 1''')
+        overrides = ["--rollout.batch_size", "4", "--rollout.group_size", "2",
+                     "--eval.num_tasks", "4", "--trainer.torch.lr", "0.05"]
+        train(load_config(TrainConfig, _write_config(tmp_path, body), overrides))
+        run = tmp_path / "run"
+        rl = [r for r in _read(run / "metrics.jsonl") if r["phase"] == "rl"]
+        assert [r["version"] for r in rl] == [0, 1]
+        assert all(r["sync/seconds"] > 0 and r["sync/buckets"] >= 1 for r in rl)
+        final = load_file(str(run / "checkpoints" / "rl-000002" / "model.safetensors"))
+
+        async def served() -> tuple[dict, dict[str, torch.Tensor]]:
+            client = SGLangClient(server.url, retries=0)
+            try:
+                names = ["model.layers.0.mlp.down_proj.weight", "model.norm.weight"]
+                got = {n: torch.tensor(await client.get_weights_by_name(n, 3)) for n in names}
+                return await client.get_model_info(), got
+            finally:
+                await client.close()
+
+        info, got = asyncio.run(served())
+        assert info["weight_version"] == "2"  # the version after the last step's push
+        for name, values in got.items():
+            torch.testing.assert_close(values, final[name][:3].float(), rtol=0, atol=0)
+    finally:
+        server.stop()

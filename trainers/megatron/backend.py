@@ -352,14 +352,16 @@ class MegatronBackend:
         return out
 
     def iter_engine_weight_buckets(
-        self, bucket_bytes: int = 512 << 20, *, dtype: torch.dtype | None = None
+        self, bucket_bytes: int = 512 << 20, *, dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
     ) -> Iterator[Bucket]:
         """HF-named full tensors in buckets of at most ``bucket_bytes``, streamed on the device.
 
         Not snapshots: consume each bucket before the next train_step. Tied heads appear once
         (as ``model.embed_tokens.weight``), as in HF checkpoints.
         """
-        return iter_hf_buckets(self.model, self.arch, bucket_bytes=bucket_bytes, dtype=dtype)
+        return iter_hf_buckets(self.model, self.arch, bucket_bytes=bucket_bytes, dtype=dtype,
+                               device=device)
 
     def sync_weights(self, consumer: Callable[[Bucket], None], bucket_bytes: int = 1 << 30
                      ) -> SyncStats:

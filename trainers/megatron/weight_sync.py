@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import EngineError
+from palaestra.rollout.engines.weight_transfer import TransferStats, bucketize
 from palaestra.trainers.megatron.arch import ModelArch
 from palaestra.trainers.megatron.weights import iter_hf_weights
 
@@ -26,44 +26,20 @@ Bucket = list[tuple[str, "torch.Tensor"]]
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
-@dataclass(frozen=True)
-class SyncStats:
-    """What one weight sync moved and how long it took (wall clock, device synchronised)."""
-
-    seconds: float
-    num_bytes: int
-    num_tensors: int
-    num_buckets: int
-
-    @property
-    def gbytes_per_s(self) -> float:
-        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
-
-def bucketize(
-    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[Bucket]:
-    """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (a bigger tensor alone)."""
-    bucket: Bucket = []
-    size = 0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and size + nbytes > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, tensor))
-        size += nbytes
-    if bucket:
-        yield bucket
+SyncStats = TransferStats  # one timing record for every sync path
 
 
 def iter_hf_buckets(
-    model: Any, arch: ModelArch, *, bucket_bytes: int = 1 << 30, dtype: torch.dtype | None = None
+    model: Any, arch: ModelArch, *, bucket_bytes: int = 1 << 30, dtype: torch.dtype | None = None,
+    device: str | torch.device | None = None,
 ) -> Iterator[Bucket]:
-    """HF-named full tensors of this pipeline stage, in buckets (collective over TP/EP)."""
+    """HF-named full tensors of this pipeline stage, in buckets (collective over TP/EP).
+
+    ``dtype`` casts, ``device`` moves (None: where the model lives).
+    """
     named = iter_hf_weights(model, arch)
-    if dtype is not None:
-        named = ((n, t.to(dtype)) for n, t in named)
+    if dtype is not None or device is not None:
+        named = ((n, t.to(device=device, dtype=dtype)) for n, t in named)
     return bucketize(named, bucket_bytes)
 
 

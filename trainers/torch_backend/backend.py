@@ -433,20 +433,14 @@ class TorchBackend:
         return out
 
     def iter_engine_weight_buckets(
-        self, bucket_bytes: int = 512 << 20, *, dtype: torch.dtype | None = None
+        self, bucket_bytes: int = 512 << 20, *, dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """``state_dict_for_engines`` cut into lists of at most ``bucket_bytes`` (>= 1 tensor)."""
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in self.state_dict_for_engines(dtype=dtype).items():
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor))
-            size += nbytes
-        if bucket:
-            yield bucket
+        from palaestra.rollout.engines.weight_transfer import bucketize
+
+        return bucketize(self.state_dict_for_engines(dtype=dtype, device=device).items(),
+                         bucket_bytes)
 
     # ----------------------------------------------------------------------- checkpoints
     def save(self, directory: str | Path, *, extra: dict[str, Any] | None = None) -> Path:

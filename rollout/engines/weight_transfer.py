@@ -1,0 +1,269 @@
+"""Push trained weights to SGLang-compatible servers: NCCL/gloo broadcast, or through disk.
+
+Both senders take HF-named buckets (lists of ``(name, tensor)``, see `bucketize`) and a version:
+
+* `DistributedWeightSender` is the trainer side of SGLang's ``/init_weights_update_group`` +
+  ``/update_weights_from_distributed``: one process group (rank 0 = this trainer, then each
+  server's TP ranks), one HTTP request per bucket announcing names/dtypes/shapes while the
+  tensors are broadcast. "nccl" moves CUDA tensors GPU to GPU; "gloo" moves CPU tensors (a CPU
+  `palaestra serve`, and the tests).
+* `DiskWeightSender` is the fallback that needs only a shared filesystem: safetensors files plus
+  the model's config and tokenizer files in ``<directory>/v<version>``, then
+  ``/update_weights_from_disk`` on every server; older versions are pruned.
+
+Each ``push`` returns a `TransferStats`; the servers' weight version is the pushed version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from palaestra.errors import ConfigError, EngineError
+from palaestra.rollout.engines.weight_group import DEFAULT_GROUP_NAME, dtype_name
+
+if TYPE_CHECKING:
+    import torch
+
+    from palaestra.rollout.engines.sglang import SGLangClient
+
+Bucket = list[tuple[str, "torch.Tensor"]]
+
+# files a model folder needs besides its weights (SGLang's /update_weights_from_disk loads a
+# whole model folder; palaestra serve reads the safetensors only)
+_MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja")
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """One push: wall time (device synchronised), bytes, tensors and buckets moved."""
+
+    seconds: float
+    num_bytes: int
+    num_tensors: int
+    num_buckets: int
+
+    @property
+    def gbytes_per_s(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+    def as_metrics(self, prefix: str = "sync/") -> dict[str, float]:
+        return {f"{prefix}seconds": self.seconds, f"{prefix}gbytes": self.num_bytes / 1e9,
+                f"{prefix}tensors": float(self.num_tensors),
+                f"{prefix}buckets": float(self.num_buckets)}
+
+
+def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Group (name, tensor) pairs into lists of at most ``bucket_bytes`` (a bigger tensor alone)."""
+    if bucket_bytes <= 0:
+        raise ConfigError("bucket_bytes must be positive")
+    bucket: Bucket = []
+    size = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (for the group's rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _check(out: Any, what: str, url: str) -> None:
+    if not (isinstance(out, dict) and out.get("success")):
+        message = out.get("message") if isinstance(out, dict) else out
+        raise EngineError(f"{url} refused {what}: {message}")
+
+
+class DistributedWeightSender:
+    """Rank 0 of SGLang's weight-update group; `connect` once, `push` after every step.
+
+    ``backend`` "nccl" sends from ``device`` (a CUDA device of this process); "gloo" from the CPU.
+    ``master_port`` 0 picks a free port. The servers must reach ``master_address``.
+    """
+
+    def __init__(self, clients: Sequence[SGLangClient], *, backend: str = "nccl",
+                 master_address: str = "127.0.0.1", master_port: int = 0,
+                 group_name: str = DEFAULT_GROUP_NAME, device: Any = None,
+                 timeout_s: float = 600.0) -> None:
+        if not clients:
+            raise ConfigError("DistributedWeightSender needs at least one server")
+        if backend not in ("nccl", "gloo"):
+            raise ConfigError(f"backend {backend!r}: use 'nccl' (GPU) or 'gloo' (CPU)")
+        self.clients = list(clients)
+        self.backend = backend
+        self.master_address = master_address
+        self.master_port = master_port
+        self.group_name = group_name
+        self.device = device
+        self.timeout_s = timeout_s
+        self.group: Any = None
+        self.world_size = 0
+
+    async def connect(self) -> None:
+        """Create the group: every server joins (rank offsets by TP size) while this side hosts."""
+        import torch
+
+        from palaestra.rollout.engines.weight_group import init_weight_group
+
+        if self.group is not None:
+            return
+        infos = await asyncio.gather(*(c.get_server_info() for c in self.clients))
+        tp_sizes = [int(info.get("tp_size", 1) or 1) for info in infos]
+        self.world_size = 1 + sum(tp_sizes)
+        port = self.master_port or free_port(self.master_address)
+        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(self.clients))]
+        if self.backend == "nccl":
+            self.device = (torch.device(self.device) if self.device is not None
+                           else torch.device("cuda", torch.cuda.current_device()))
+        joins = [asyncio.create_task(c.init_weights_update_group(
+            master_address=self.master_address, master_port=port, rank_offset=off,
+            world_size=self.world_size, group_name=self.group_name, backend=self.backend))
+            for c, off in zip(self.clients, offsets, strict=True)]
+        try:
+            self.group = await asyncio.to_thread(
+                init_weight_group, backend=self.backend, master_address=self.master_address,
+                master_port=port, world_size=self.world_size, rank=0, group_name=self.group_name,
+                timeout_s=self.timeout_s, device=self.device if self.backend == "nccl" else None)
+        except (RuntimeError, ValueError, OSError) as exc:  # rendezvous failed or timed out
+            for task in joins:
+                task.cancel()
+            raise EngineError(
+                f"the weight-update group at {self.master_address}:{port} did not form: {exc}; "
+                "check that every server can reach master_address") from exc
+        for client, out in zip(self.clients, await asyncio.gather(*joins), strict=True):
+            _check(out, "/init_weights_update_group", client.url)
+
+    async def push(self, buckets: Iterable[Bucket], version: int) -> TransferStats:
+        """Broadcast every bucket (one request per bucket and server), then flush the caches."""
+        from palaestra.rollout.engines.weight_group import broadcast_tensors
+
+        await self.connect()
+        _synchronize()
+        start = time.perf_counter()
+        nbytes = ntensors = nbuckets = 0
+        for bucket in buckets:
+            tensors = [self._on_wire(t) for _, t in bucket]
+            requests = [asyncio.create_task(c.update_weights_from_distributed(
+                names=[n for n, _ in bucket], dtypes=[dtype_name(t.dtype) for t in tensors],
+                shapes=[list(t.shape) for t in tensors], group_name=self.group_name,
+                version=version)) for c in self.clients]
+            await asyncio.to_thread(broadcast_tensors, self.group, tensors)
+            for client, out in zip(self.clients, await asyncio.gather(*requests), strict=True):
+                _check(out, "/update_weights_from_distributed", client.url)
+            nbuckets += 1
+            ntensors += len(tensors)
+            nbytes += sum(t.numel() * t.element_size() for t in tensors)
+        await asyncio.gather(*(c.flush_cache_quietly() for c in self.clients))
+        _synchronize()
+        return TransferStats(time.perf_counter() - start, nbytes, ntensors, nbuckets)
+
+    def _on_wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.backend == "gloo":
+            return tensor.detach().cpu()
+        return tensor.detach().to(self.device, non_blocking=True)
+
+    async def close(self) -> None:
+        """Destroy the group on the servers and here (a dead server is skipped)."""
+        from palaestra.rollout.engines.weight_group import destroy_weight_group
+
+        if self.group is None:
+            return
+        await asyncio.gather(*(c.destroy_weights_update_group(self.group_name)
+                               for c in self.clients), return_exceptions=True)
+        await asyncio.to_thread(destroy_weight_group, self.group)
+        self.group = None
+
+
+class DiskWeightSender:
+    """Write each version as a model folder under ``directory``; servers load it from there.
+
+    ``model_dir`` supplies config/tokenizer files so the folder is a loadable model (SGLang
+    needs them). ``keep_last`` versions stay on disk.
+    """
+
+    def __init__(self, clients: Sequence[SGLangClient], directory: str | Path, *,
+                 model_dir: str | Path | None = None, keep_last: int = 2) -> None:
+        if not clients:
+            raise ConfigError("DiskWeightSender needs at least one server")
+        self.clients = list(clients)
+        self.directory = Path(directory)
+        self.model_dir = Path(model_dir) if model_dir is not None else None
+        self.keep_last = max(1, keep_last)
+
+    async def connect(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+
+    async def push(self, buckets: Iterable[Bucket], version: int) -> TransferStats:
+        _synchronize()
+        start = time.perf_counter()
+        target = self.directory / f"v{version}"
+        nbytes, ntensors, nbuckets = await asyncio.to_thread(self._write, buckets, target)
+        await asyncio.gather(*(c.update_weights(path=str(target), version=version)
+                               for c in self.clients))
+        self._prune(version)
+        return TransferStats(time.perf_counter() - start, nbytes, ntensors, nbuckets)
+
+    def _write(self, buckets: Iterable[Bucket], target: Path) -> tuple[int, int, int]:
+        from safetensors.torch import save_file
+
+        partial = target.with_name(target.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        nbytes = ntensors = nbuckets = 0
+        written: set[int] = set()  # tied weights (lm_head = embeddings) are written once
+        for i, bucket in enumerate(buckets):
+            tensors: dict[str, torch.Tensor] = {}
+            for name, tensor in bucket:
+                if tensor.data_ptr() not in written:
+                    written.add(tensor.data_ptr())
+                    tensors[name] = tensor.detach().cpu().contiguous()
+            if not tensors:
+                continue
+            save_file(tensors, str(partial / f"model-{i:05d}.safetensors"), metadata={"format": "pt"})
+            nbuckets += 1
+            ntensors += len(tensors)
+            nbytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        if self.model_dir is not None:
+            for name in _MODEL_FILES:
+                if (self.model_dir / name).is_file():
+                    shutil.copy2(self.model_dir / name, partial / name)
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)  # servers never see a half-written version
+        return nbytes, ntensors, nbuckets
+
+    def _prune(self, version: int) -> None:
+        versions = sorted(int(p.name[1:]) for p in self.directory.glob("v*")
+                          if p.is_dir() and p.name[1:].isdigit())
+        for old in versions[:-self.keep_last]:
+            if old != version:
+                shutil.rmtree(self.directory / f"v{old}", ignore_errors=True)
+
+    async def close(self) -> None:
+        return None
+
+
+__all__ = ["DiskWeightSender", "DistributedWeightSender", "TransferStats", "bucketize",
+           "free_port"]
