@@ -143,6 +143,8 @@ def bench_model(name: str, args: argparse.Namespace, peak: float) -> dict[str, A
     flops_tok = train_flops_per_token(arch, args.seq)
     row: dict[str, Any] = {"model": f"qwen3-{name}", "params": param_count(arch).total,
                            "seq": args.seq, "tokens_per_step": tokens,
+                           "fused_swiglu": args.fused_swiglu,
+                           "micro_batch_tokens": args.micro_batch_tokens or args.seq,
                            "train_flops_per_token": flops_tok, "matmul_peak_tflops": peak}
 
     def rates(times: list[float]) -> dict[str, float]:
@@ -154,8 +156,10 @@ def bench_model(name: str, args: argparse.Namespace, peak: float) -> dict[str, A
 
     if not args.skip_megatron:
         backend = MegatronBackend(hf_cfg, MegatronBackendConfig(
-            dtype="bfloat16", lr=1e-5, max_tokens_per_micro_batch=args.seq,
-            recompute=args.recompute), hf_state_dict=hf.state_dict())
+            dtype="bfloat16", lr=1e-5,
+            max_tokens_per_micro_batch=args.micro_batch_tokens or args.seq,
+            recompute=args.recompute, fused_swiglu=args.fused_swiglu),
+            hf_state_dict=hf.state_dict())
         with torch.device("cuda"):
             hf_bf16 = transformers.AutoModelForCausalLM.from_config(
                 hf_cfg, attn_implementation="sdpa").eval()
@@ -233,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-reps", type=int, default=5)
     parser.add_argument("--bucket-mb", type=int, default=1024)
     parser.add_argument("--recompute", action="store_true", help="full activation recompute")
+    parser.add_argument("--fused-swiglu", action="store_true",
+                        help="megatron's compiled SwiGLU (MegatronBackendConfig.fused_swiglu)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None,
+                        help="Megatron micro-batch token budget (default: one sequence)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-megatron", action="store_true")
     parser.add_argument("--json", help="write the results here")

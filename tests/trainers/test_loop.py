@@ -273,7 +273,7 @@ def test_grpo_against_a_separate_server_process(tmp_path, micro_model, yes_env, 
                            f"http://127.0.0.1:{port}", log_path=tmp_path / "serve.log")
     try:
         asyncio.run(server.wait_ready(120))
-        body = _base(tmp_path, micro_model) + f'''
+        body = _base(tmp_path, micro_model) + '''
 [env]
 id = "yes_env:tests/Long-v0"
 [data]

@@ -47,6 +47,13 @@ def read_hf_state_dict(model_path: str | os.PathLike[str]) -> dict[str, torch.Te
     return out
 
 
+def torch_empty_like_pinned(tensor: torch.Tensor) -> torch.Tensor:
+    """An uninitialised host tensor like ``tensor``, pinned when CUDA is here."""
+    import torch
+
+    return torch.empty_like(tensor, pin_memory=torch.cuda.is_available())
+
+
 class MegatronBackend:
     """A megatron-core GPT model with optimizer, trained on `TrainBatch` es."""
 
@@ -93,12 +100,17 @@ class MegatronBackend:
             self.arch, self.parallel, dtype=dtype,
             use_cpu_initialization=self.device.type == "cpu",
             perform_initialization=hf_state_dict is None, recompute=c.recompute,
+            bias_activation_fusion=c.fused_swiglu,
         )
         model = build_gpt_model(self.arch, self.parallel, config=self.mconfig, use_te=self.use_te)
         if hf_state_dict is not None:
             load_hf_weights(model, hf_state_dict, self.arch, fused_norms=self.use_te)
         self.model, self.optimizer = self._wrap(model)
         self.step = 0
+        self._ref_weights: list[torch.Tensor] | None = None  # pinned CPU, one per parameter
+        self._policy_weights: list[torch.Tensor] | None = None  # the swap's spill space
+        if c.ref_model:
+            self._ref_weights = self._host_copy()
 
     @classmethod
     def from_pretrained(
@@ -256,27 +268,64 @@ class MegatronBackend:
         ents = [merged[i][1] for i in range(batch.num_sequences)] if with_entropy else None
         return logps, ents  # type: ignore[return-value]
 
+    # reference policy: weights swapped in from pinned host memory ------------------------------
+    def _params(self) -> list[torch.Tensor]:
+        return [p for _, p in sorted(unwrap(self.model).named_parameters())]
+
+    def _host_copy(self) -> list[torch.Tensor]:
+        import torch
+
+        pin = torch.cuda.is_available()
+        return [p.detach().to("cpu", copy=True).pin_memory() if pin
+                else p.detach().to("cpu", copy=True) for p in self._params()]
+
+    def _copy_params(self, src: list[torch.Tensor] | None, dst: list[torch.Tensor] | None
+                     ) -> None:
+        import torch
+
+        params = self._params()
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                if dst is not None:
+                    dst[i].copy_(p, non_blocking=True)
+                if src is not None:
+                    p.copy_(src[i], non_blocking=True)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the host buffers are reused: finish before returning
+
+    def _ref_forward(self, batch: TrainBatch, with_entropy: bool
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        if self._ref_weights is None:
+            raise ConfigError(
+                "forward_logprobs(ref=True) needs the reference policy: set "
+                "MegatronBackendConfig(ref_model=True) (trainer.megatron.ref_model = true), or "
+                "precompute ref_logprobs"
+            )
+        if self._policy_weights is None:
+            self._policy_weights = [torch_empty_like_pinned(t) for t in self._ref_weights]
+        self._copy_params(self._ref_weights, self._policy_weights)  # policy out, reference in
+        try:
+            return self._forward_all(batch, with_entropy=with_entropy)
+        finally:
+            self._copy_params(self._policy_weights, None)  # the policy back, bit for bit
+
     def forward_logprobs(self, batch: TrainBatch, *, ref: bool = False) -> list[torch.Tensor]:
         """``log pi(token_t | tokens_<t)`` of every token (0 at position 0), one per sequence.
 
         float32 on CPU, aligned with ``Sample.logprobs_T``. Collective over the model- and
-        data-parallel groups; every rank gets the whole result. This backend keeps no reference
-        model: for ``ref=True`` build a second backend from the reference weights.
+        data-parallel groups; every rank gets the whole result. ``ref=True`` evaluates the
+        reference policy (needs ``ref_model=True``).
         """
         if ref:
-            raise ConfigError(
-                "MegatronBackend keeps no reference model; build a second MegatronBackend from "
-                "the reference weights and call its forward_logprobs(batch)"
-            )
+            return self._ref_forward(batch, with_entropy=False)[0]
         return self._forward_all(batch, with_entropy=False)[0]
 
     def forward_logprobs_with_entropy(
         self, batch: TrainBatch, *, ref: bool = False
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Token logprobs and the entropy of each next-token distribution (same alignment)."""
-        if ref:
-            return self.forward_logprobs(batch, ref=True), []  # raises
-        logps, ents = self._forward_all(batch, with_entropy=True)
+        logps, ents = (self._ref_forward(batch, with_entropy=True) if ref
+                       else self._forward_all(batch, with_entropy=True))
         assert ents is not None
         return logps, ents
 
@@ -293,6 +342,10 @@ class MegatronBackend:
         from palaestra.trainers.batching import TOKEN_FIELDS, make_micro_batches
         from palaestra.trainers.torch_backend.optim import lr_multiplier
 
+        if (loss_cfg.objective == "rl" and loss_cfg.needs_ref_logprobs
+                and loss_cfg.kl_mode == "loss" and batch.ref_logprobs is None
+                and self._ref_weights is not None):
+            batch = batch.replace(ref_logprobs=self.forward_logprobs(batch, ref=True))
         fields = {n: getattr(batch, n) for n in TOKEN_FIELDS if getattr(batch, n) is not None}
         fields[losses.WEIGHTS] = losses.batch_token_weights(batch, loss_cfg)
         local = self._local_indices(batch)
@@ -434,7 +487,8 @@ class MegatronBackend:
                     p.copy_(m)
                 o.load_state_dict(o_state)
         self.step = int(state["step"])
-        return {"step": self.step, "extra": state.get("extra", {})}
+        extra = state.get("extra", {})
+        return {**extra, "step": self.step, "extra": extra}  # extras at the top, as TorchBackend
 
     def export_hf(self, path: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
                   shard_bytes: int = 4 << 30) -> Path:

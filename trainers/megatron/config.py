@@ -43,6 +43,14 @@ class MegatronBackendConfig(BaseModel):
     distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
 
+    ref_model: bool = False
+    """Keep the initial weights as the reference policy (KL terms): this rank's shard in pinned
+    CPU memory, swapped into the model for ``forward_logprobs(batch, ref=True)`` (no second
+    model on the GPU; costs two host copies of the shard per reference forward)."""
+
+    fused_swiglu: bool = False
+    """Megatron's fused SwiGLU (``bias_activation_fusion``, compiled by torch): fewer kernels."""
+
     logits_temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature of the rollout: logits are divided by it before logprobs."""
 

@@ -20,10 +20,18 @@ def main() -> None:
     from palaestra.trainers.megatron.config import MegatronBackendConfig
 
     layout = json.loads(sys.argv[1])
-    cfg = transformers.Qwen3Config(
-        vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=True,
-        initializer_range=0.05)
+    shape = {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1024,
+             "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+             "head_dim": 64, "tie_word_embeddings": True, "initializer_range": 0.05}
+    if layout.pop("moe", False):
+        # no auxiliary loss: it is computed over each rank's own tokens, so with it DP/EP runs
+        # would differ from one GPU by design, not by a bug
+        cfg = transformers.Qwen3MoeConfig(**shape, moe_intermediate_size=256, num_experts=8,
+                                          num_experts_per_tok=2, norm_topk_prob=True,
+                                          decoder_sparse_step=1, mlp_only_layers=[],
+                                          router_aux_loss_coef=0.0)
+    else:
+        cfg = transformers.Qwen3Config(**shape)
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(cfg).float()
     g = torch.Generator().manual_seed(0)

@@ -230,3 +230,27 @@ def test_qwen3_moe_logprobs_and_train_step():
     assert losses[-1] < losses[0]
     names = set(backend.state_dict_for_engines())
     assert "model.layers.1.mlp.experts.7.down_proj.weight" in names
+
+
+def test_reference_policy_swapped_in_and_policy_restored():
+    from palaestra.trainers.algorithms import LossConfig
+
+    cfg = dict(QWEN3_SMALL, num_hidden_layers=2, vocab_size=32000)
+    model = _hf("qwen3", torch.float32, **cfg)
+    batch = _batch([200, 333, 64], cfg["vocab_size"], seed=2)
+    backend = _backend(model, dtype="bfloat16", lr=3e-4, ref_model=True)
+    initial = backend.forward_logprobs(batch)
+    for _ in range(2):
+        backend.train_step(batch, LossConfig(preset="sft"))
+    policy = backend.forward_logprobs(batch)
+    ref = backend.forward_logprobs(batch, ref=True)
+    after = backend.forward_logprobs(batch)
+    assert all(torch.equal(a, b) for a, b in zip(ref, initial))  # the initial weights, exactly
+    assert all(torch.equal(a, b) for a, b in zip(after, policy))  # the policy back, bit for bit
+    assert not all(torch.equal(a, b) for a, b in zip(policy, initial))
+    # a GRPO step with a KL loss: the reference logprobs are computed by the backend itself
+    metrics = backend.train_step(batch.replace(old_logprobs=policy),
+                                 LossConfig(preset="grpo", kl_coef=0.05, kl_mode="loss"))
+    REPORT["ref_policy_kl_after_2_sft_steps"] = metrics["actor/kl"]
+    print(f"reference swap: KL(policy || ref) after 2 SFT steps = {metrics['actor/kl']:.4g}")
+    assert metrics["actor/kl"] > 0 and metrics["update_ok"] == 1.0

@@ -1,4 +1,4 @@
-"""Two GPUs: DP=2, TP=2 and PP=2 give the same SFT losses as one GPU on the same batch."""
+"""Two GPUs: DP=2, TP=2, PP=2 and (Qwen3-MoE) EP=2 give one GPU's SFT losses on the same batch."""
 
 from __future__ import annotations
 
@@ -34,3 +34,11 @@ def test_parallel_layouts_match_one_gpu(tmp_path):
         multi = _run(tmp_path, 2, layout)
         assert multi["losses"] == pytest.approx(single["losses"], rel=1e-4), layout
         assert multi["weight_sum"] == pytest.approx(single["weight_sum"], rel=1e-4), layout
+
+
+def test_expert_parallel_moe_matches_one_gpu(tmp_path):
+    pytest.importorskip("megatron.core")
+    single = _run(tmp_path, 1, {"moe": True})
+    multi = _run(tmp_path, 2, {"moe": True, "ep": 2})
+    assert multi["losses"] == pytest.approx(single["losses"], rel=1e-4)
+    assert multi["weight_sum"] == pytest.approx(single["weight_sum"], rel=1e-4)

@@ -1,0 +1,117 @@
+"""The training loop on GPUs (device tool): the Megatron backend colocated with the embedded
+engine, and a disaggregated run (PyTorch trainer on GPU 0, an SGLang-API server on GPU 1, weights
+over an NCCL weight-update group). Skipped without CUDA."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from palaestra.config import load_config
+from palaestra.trainers.config import TrainConfig
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+ROOT = Path(__file__).resolve().parents[2]
+SHORT = ["--warmup.steps", "0", "--trainer.steps", "3", "--rollout.batch_size", "8",
+         "--rollout.group_size", "4", "--eval.num_tasks", "16", "--checkpoint.interval", "3",
+         "--logging.tensorboard", "false", "--logging.progress", "false",
+         "--engine.device", "cuda", "--trainer.torch.device", "cuda"]
+
+
+def _rl_records(run: Path) -> list[dict]:
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, filter(None, lines)) if r["phase"] == "rl"]
+
+
+def _report(name: str, data: dict) -> None:
+    out = os.environ.get("PALAESTRA_GPU_REPORT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"{name}.json").write_text(json.dumps(data, indent=1))
+
+
+def test_megatron_backend_in_the_loop(tmp_path):
+    pytest.importorskip("megatron.core")
+    from safetensors.torch import load_file
+
+    from palaestra.trainers.loop import train
+
+    run = tmp_path / "run"
+    cfg = load_config(TrainConfig, ROOT / "configs" / "quickstart.toml", [
+        "--out", str(run), *SHORT, "--trainer.backend", "megatron",
+        "--trainer.megatron.lr", "1e-4", "--trainer.megatron.dtype", "bfloat16"])
+    train(cfg)
+    rl = _rl_records(run)
+    assert [r["version"] for r in rl] == [0, 1, 2]
+    assert all(r["sync/seconds"] > 0 and r["train/num_loss_tokens"] > 0 for r in rl)
+    before = load_file(str(run / "model" / "model.safetensors"))
+    after: dict[str, torch.Tensor] = {}
+    for shard in sorted((run / "final-model").glob("*.safetensors")):
+        after.update(load_file(str(shard)))
+    changed = [k for k in before
+               if k in after and not torch.equal(before[k], after[k].to(before[k].dtype))]
+    assert changed, "Megatron training did not change any exported weight"
+    _report("loop_megatron", {"steps": [{k: r[k] for k in ("time/step_s", "time/rollout_s",
+                                                           "time/train_s", "time/weight_sync_s",
+                                                           "sync/seconds", "reward_mean")}
+                                        for r in rl]})
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_disaggregated_trainer_and_server_over_nccl(tmp_path):
+    from safetensors.torch import load_file
+
+    from palaestra.rollout.engines.sglang import ServerProcess, SGLangClient
+    from palaestra.rollout.engines.weight_transfer import free_port
+    from palaestra.tiny_model import build_model
+    from palaestra.trainers.loop import train
+
+    run = tmp_path / "run"
+    model = build_model(run / "model", "tiny")
+    port = free_port()
+    server = ServerProcess([sys.executable, "-m", "palaestra", "serve", "--model", str(model),
+                            "--port", str(port), "--device", "cuda"], f"http://127.0.0.1:{port}",
+                           env=dict(os.environ, CUDA_VISIBLE_DEVICES="1"),
+                           log_path=tmp_path / "serve.log")
+    try:
+        asyncio.run(server.wait_ready(300))
+        cfg = load_config(TrainConfig, ROOT / "configs" / "quickstart.toml", [
+            "--out", str(run), *SHORT, "--engine.kind", "sglang", "--engine.urls",
+            f'["{server.url}"]', "--engine.weight_sync", "distributed",
+            "--engine.sync_backend", "nccl"])
+        train(cfg)
+        rl = _rl_records(run)
+        assert [r["version"] for r in rl] == [0, 1, 2]
+        final: dict[str, torch.Tensor] = {}
+        for shard in sorted((run / "final-model").glob("*.safetensors")):
+            final.update(load_file(str(shard)))
+
+        async def served(name: str) -> tuple[str, torch.Tensor]:
+            client = SGLangClient(server.url, retries=0)
+            try:
+                values = torch.tensor(await client.get_weights_by_name(name, 4))
+                return (await client.get_model_info())["weight_version"], values
+            finally:
+                await client.close()
+
+        name = "model.layers.1.self_attn.o_proj.weight"
+        version, values = asyncio.run(served(name))
+        assert version == "3"
+        engine_dtype = torch.bfloat16  # the server's LocalEngine runs bf16 on CUDA
+        torch.testing.assert_close(values, final[name][:4].to(engine_dtype).float(), rtol=0,
+                                   atol=0)
+        _report("loop_disaggregated_nccl", {"steps": [
+            {k: r[k] for k in ("time/step_s", "time/rollout_s", "time/train_s",
+                               "time/weight_sync_s", "sync/seconds", "sync/gbytes")} for r in rl]})
+    finally:
+        server.stop()
