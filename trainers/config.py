@@ -123,6 +123,8 @@ class EngineSection(Section):
     sync_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Cast floating weights to this dtype on the way (None: as trained), e.g. bfloat16 for
     SGLang servers in bf16."""
+    sync_timeout_s: float = 600.0
+    """How long forming the weight-update group and each broadcast may take."""
     sync_dir: str = "{out}/engine-weights"
     """Disk sync: a folder the servers can read ({out} is the run directory)."""
 

@@ -68,7 +68,7 @@ class EngineSync:
                 device = "cuda"
             sender = DistributedWeightSender(
                 engine.clients, backend=e.sync_backend, master_address=e.sync_master_address,
-                master_port=e.sync_master_port)
+                master_port=e.sync_master_port, timeout_s=e.sync_timeout_s)
         elif method == "disk":
             sender = DiskWeightSender(engine.clients, e.sync_dir.replace("{out}", cfg.out),
                                       model_dir=policy_path, keep_last=2)

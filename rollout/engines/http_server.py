@@ -346,8 +346,7 @@ def build_app(state: ServerState) -> web.Application:
             group = await asyncio.to_thread(
                 init_weight_group, backend=backend, master_address=body["master_address"],
                 master_port=int(body["master_port"]), world_size=int(body["world_size"]),
-                rank=int(body["rank_offset"]), group_name=name,
-                device=engine.device if backend == "nccl" else None)
+                rank=int(body["rank_offset"]), group_name=name)
         except (RuntimeError, ValueError, OSError) as exc:  # rendezvous failed or timed out
             return web.json_response({"success": False, "message": (
                 f"Failed to initialize custom process group: {exc}.")}, status=400)

@@ -50,8 +50,10 @@ def init_weight_group(
 ) -> Any:
     """Join (rank 0: host) the weight-update group; blocks until all ``world_size`` ranks joined.
 
-    ``backend`` is "nccl" (CUDA tensors) or "gloo" (CPU tensors). ``device``, for NCCL, binds
-    the communicator to that GPU so it is created now rather than at the first broadcast.
+    ``backend`` is "nccl" (CUDA tensors) or "gloo" (CPU tensors). The NCCL communicator is
+    created lazily, at the first broadcast, as upstream SGLang does: an eager side (``device``
+    given) waits in here for peers that only connect at that broadcast, so pass ``device`` only
+    when every member is eager too.
     """
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import (

@@ -142,19 +142,27 @@ class DistributedWeightSender:
             master_address=self.master_address, master_port=port, rank_offset=off,
             world_size=self.world_size, group_name=self.group_name, backend=self.backend))
             for c, off in zip(self.clients, offsets, strict=True)]
+        host = asyncio.create_task(asyncio.to_thread(
+            init_weight_group, backend=self.backend, master_address=self.master_address,
+            master_port=port, world_size=self.world_size, rank=0, group_name=self.group_name,
+            timeout_s=self.timeout_s))
         try:
-            self.group = await asyncio.to_thread(
-                init_weight_group, backend=self.backend, master_address=self.master_address,
-                master_port=port, world_size=self.world_size, rank=0, group_name=self.group_name,
-                timeout_s=self.timeout_s, device=self.device if self.backend == "nccl" else None)
-        except (RuntimeError, ValueError, OSError) as exc:  # rendezvous failed or timed out
+            # a server that cannot join answers at once: fail then, not at the store's timeout
+            pending: set[asyncio.Task[Any]] = {host, *joins}
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is host:
+                        self.group = task.result()
+                    else:
+                        client = self.clients[joins.index(task)]
+                        _check(task.result(), "/init_weights_update_group", client.url)
+        except (RuntimeError, ValueError, OSError, EngineError) as exc:
             for task in joins:
                 task.cancel()
             raise EngineError(
                 f"the weight-update group at {self.master_address}:{port} did not form: {exc}; "
                 "check that every server can reach master_address") from exc
-        for client, out in zip(self.clients, await asyncio.gather(*joins), strict=True):
-            _check(out, "/init_weights_update_group", client.url)
 
     async def push(self, buckets: Iterable[Bucket], version: int) -> TransferStats:
         """Broadcast every bucket (one request per bucket and server), then flush the caches."""

@@ -154,3 +154,22 @@ async def test_disk_fallback(servers: list[str], other_weights_dir: str, model_d
     finally:
         for client in clients:
             await client.close()
+
+
+async def test_a_server_that_cannot_join_fails_the_group_at_once(servers: list[str]) -> None:
+    import time
+
+    first = DistributedWeightSender([SGLangClient(servers[0], retries=0)], backend="gloo",
+                                    group_name="taken")
+    second = DistributedWeightSender([SGLangClient(servers[0], retries=0)], backend="gloo",
+                                      group_name="taken", timeout_s=5)
+    try:
+        await first.connect()
+        start = time.monotonic()
+        with pytest.raises(EngineError, match="exists"):
+            await second.connect()  # the server already holds a group of that name
+        assert time.monotonic() - start < 4  # answered by the server, not by a timeout
+    finally:
+        await first.close()
+        for sender in (first, second):
+            await sender.clients[0].close()
