@@ -119,6 +119,9 @@ class RolloutWorker:
         self.episodes = 0
         self._cache: Any = None
         self._frozen = 0
+        # bumped by `shutdown`: a long-poll still waiting from an earlier run (Ray does not cancel
+        # the actor side of a call its caller abandoned) must not take the next run's results
+        self._run = 0
         self._apply(config)
 
     def _apply(self, config: WorkerConfig) -> None:
@@ -184,6 +187,7 @@ class RolloutWorker:
                 self._start(group, i)
 
     async def collect(self, wait_s: float) -> list[GroupResult]:
+        run = self._run
         if not self._ready and wait_s > 0:
             wake = self._wake_event()
             wake.clear()
@@ -194,6 +198,8 @@ class RolloutWorker:
             else:
                 if self.config.linger_s > 0:
                     await asyncio.sleep(self.config.linger_s)
+        if run != self._run:  # this poll's run was shut down while it waited; its caller is gone
+            return []
         ready, self._ready = self._ready, []
         if self._pooled() > 1.25 * self._frozen + 64:
             self._freeze()
@@ -269,6 +275,9 @@ class RolloutWorker:
         return out
 
     async def shutdown(self) -> None:
+        self._run += 1
+        if self._wake is not None:  # release the waiting polls of this run now
+            self._wake.set()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:

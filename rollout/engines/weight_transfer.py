@@ -199,10 +199,12 @@ class DistributedWeightSender:
 
         if self.group is None:
             return
-        await asyncio.gather(*(c.destroy_weights_update_group(self.group_name)
+        group, self.group = self.group, None
+        # both sides at once: tearing down an NCCL communicator can wait for its peers, so a
+        # trainer that waited for the servers' answers before its own teardown would deadlock
+        await asyncio.gather(asyncio.to_thread(destroy_weight_group, group),
+                             *(c.destroy_weights_update_group(self.group_name)
                                for c in self.clients), return_exceptions=True)
-        await asyncio.to_thread(destroy_weight_group, self.group)
-        self.group = None
 
 
 class DiskWeightSender:

@@ -36,11 +36,6 @@ async def run(pool, tokenizer_dir, mode, path):
     return batch, [w["tool_cache"] for w in stats]
 
 
-@pytest.mark.skip(
-    reason="hangs when it runs after the other Ray tests of this folder (passes alone in ~25 s: "
-    "`pytest tests/rollout/test_tool_cache.py`); under investigation. Record/replay itself stays "
-    "covered by test_replay_answers_from_the_file"
-)
 async def test_record_then_replay_through_ray_workers(ray_pool, tokenizer_dir, tmp_path):
     path = tmp_path / "tools.jsonl"
     recorded, _ = await run(ray_pool, tokenizer_dir, "record", path)
