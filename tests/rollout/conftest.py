@@ -41,13 +41,11 @@ def ray_cluster():
     ray.shutdown()
 
 
-@pytest.fixture()
+@pytest.fixture(scope="session")
 def ray_pool(ray_cluster, tokenizer_dir):
-    """Two fresh rollout workers as Ray actors (0.5 CPU each, so the 2-CPU cluster has room left).
-
-    Fresh per test: a pool shared across modules carried one test's worker state into the next
-    and hung the record/replay test once in a whole-suite run.
-    """
+    """Two rollout workers as Ray actors (0.5 CPU each, so the 2-CPU cluster has room left),
+    shared by every Ray test: each test's manager reconfigures them, as a training run's pool is
+    reused for evaluation."""
     from rollout_helpers import worker_config
 
     from palaestra.rollout import WorkerPool

@@ -1,8 +1,11 @@
 """Record/replay of tool results: a recorded run replays identically, replay really answers from
-the file, and a call that was never recorded fails the episode visibly."""
+the file, and a call that was never recorded fails the episode visibly. Also the worker behaviour
+that recording and then replaying on one pool depends on: a long-poll left over from the first
+run does not take the second run's results."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -15,6 +18,7 @@ from palaestra.rollout import DataSource, RolloutConfig, RolloutManager, ToolCac
 from palaestra.rollout.engines.base import SamplingParams
 from palaestra.rollout.engines.scripted import ScriptedEngine
 from palaestra.rollout.testing import CalculatorPolicy
+from palaestra.rollout.worker import GroupTask, RolloutWorker
 from palaestra.types import StopReason
 
 TASK = {"id": "c1", "question": "What is 5 * 9?", "answer": "45"}
@@ -50,6 +54,24 @@ async def test_record_then_replay_through_ray_workers(ray_pool, tokenizer_dir, t
     a = [essence(t) for t in sorted(recorded.trajectories, key=key)]
     b = [essence(t) for t in sorted(replayed.trajectories, key=key)]
     assert a == b
+
+
+async def test_an_abandoned_poll_does_not_take_the_next_runs_results(tokenizer_dir, tmp_path):
+    # Ray goes on running an exchange whose caller has gone (a closed manager cancels only its
+    # own await); here that poll is a task nobody awaits. The linger keeps it waiting while the
+    # next run's group finishes, so without the run check it would return that group to nobody.
+    wc = worker_config(tokenizer_dir, linger_s=0.2)
+    worker = RolloutWorker(wc, 0)
+    stale = asyncio.ensure_future(worker.exchange([], 30.0))
+    await asyncio.sleep(0.01)
+    await worker.configure(worker_config(tokenizer_dir, linger_s=0.2,
+                                         tool_cache=(str(tmp_path / "t.jsonl"), "record")))
+    row = calc_rows(1)[0]
+    group = GroupTask("g1", row["env_id"], row, row["id"], (1, 2))
+    fresh = await worker.exchange([group], 30.0)
+    assert await asyncio.wait_for(stale, 5) == []
+    assert [r.group_id for r in fresh] == ["g1"] and len(fresh[0].trajectories) == 2
+    await worker.shutdown()
 
 
 async def test_replay_answers_from_the_file(tokenizer_dir, tmp_path):
