@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from pathlib import Path
@@ -342,6 +343,7 @@ class MegatronBackend:
         from palaestra.trainers.batching import TOKEN_FIELDS, make_micro_batches
         from palaestra.trainers.torch_backend.optim import lr_multiplier
 
+        start = time.perf_counter()
         if (loss_cfg.objective == "rl" and loss_cfg.needs_ref_logprobs
                 and loss_cfg.kl_mode == "loss" and batch.ref_logprobs is None
                 and self._ref_weights is not None):
@@ -386,7 +388,12 @@ class MegatronBackend:
             dist.all_reduce(sums, group=ps.get_pipeline_model_parallel_group())
         metrics = {k: float(v) for k, v in zip(names, sums.tolist())}
         metrics.update(grad_norm=float(grad_norm or 0.0), update_ok=float(bool(ok)),
-                       lr=float(self.optimizer.param_groups[0]["lr"]))
+                       lr=float(self.optimizer.param_groups[0]["lr"]),
+                       # the bookkeeping keys TorchBackend reports, which the loop logs
+                       num_tokens=float(batch.num_tokens),
+                       num_loss_tokens=float(batch.num_loss_tokens),
+                       num_micro_batches=float(len(mbs)),
+                       step_time_s=time.perf_counter() - start)
         return metrics
 
     def state_dict_for_engines(
