@@ -330,7 +330,8 @@ def test_public_api_is_pinned():
                                   "device: 'str | torch.device' = 'cpu')"
                                   " -> 'dict[str, torch.Tensor]'",
         "iter_engine_weight_buckets": "(self, bucket_bytes: 'int' = 536870912, *, "
-                                      "dtype: 'torch.dtype | None' = None)"
+                                      "dtype: 'torch.dtype | None' = None, "
+                                      "device: 'str | torch.device' = 'cpu')"
                                       " -> 'Iterator[list[tuple[str, torch.Tensor]]]'",
         "save": "(self, directory: 'str | Path', *, extra: 'dict[str, Any] | None' = None)"
                 " -> 'Path'",

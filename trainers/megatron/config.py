@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
+
+from palaestra.trainers.optim_config import OptimizerSettings
 
 
-class MegatronBackendConfig(BaseModel):
+class MegatronBackendConfig(OptimizerSettings):
     """Settings of the megatron-core training backend."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
@@ -54,55 +56,14 @@ class MegatronBackendConfig(BaseModel):
     logits_temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature of the rollout: logits are divided by it before logprobs."""
 
-    lr: float = Field(1e-6, gt=0.0)
-    """Peak learning rate of Adam(W)."""
-
-    weight_decay: float = Field(0.0, ge=0.0)
-    """Decoupled weight decay."""
-
-    adam_betas: tuple[float, float] = (0.9, 0.999)
-    """Adam betas."""
-
-    adam_eps: float = Field(1e-8, gt=0.0)
-    """Adam epsilon."""
-
-    warmup_steps: int = Field(0, ge=0)
-    """Linear warm-up from 0 to ``lr`` over this many optimizer steps."""
-
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning rate after warm-up: constant, or linear/cosine decay to ``min_lr_ratio * lr``."""
-
-    total_steps: int | None = Field(None, gt=0)
-    """Optimizer steps of the run (needed by the decaying schedules)."""
-
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    """Final learning rate of the decaying schedules, as a fraction of ``lr``."""
-
-    max_grad_norm: float | None = Field(1.0, gt=0.0)
-    """Clip the global gradient norm to this value (None: no clipping)."""
-
-    max_tokens_per_micro_batch: int = Field(8192, gt=0)
-    """Token budget of one packed training micro-batch."""
-
-    forward_max_tokens_per_micro_batch: int | None = Field(None, gt=0)
-    """Token budget of no-grad forwards; default: twice the training one."""
-
     seed: int = 1234
     """Seed of the model-parallel RNGs and of random initialisation."""
 
     @model_validator(mode="after")
-    def _check(self) -> MegatronBackendConfig:
+    def _check_parallel(self) -> MegatronBackendConfig:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
-        if self.lr_schedule != "constant" and self.total_steps is None:
-            raise ValueError(
-                f"lr_schedule={self.lr_schedule!r} decays over the run: set total_steps"
-            )
         return self
-
-    @property
-    def forward_max_tokens(self) -> int:
-        return self.forward_max_tokens_per_micro_batch or 2 * self.max_tokens_per_micro_batch
 
 
 __all__ = ["MegatronBackendConfig"]
