@@ -13,9 +13,9 @@ and retries HTTP 429/5xx and dropped connections with backoff (`OpenAIChat` does
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palaestra.benchmarks.chat_episode import ChatModel, run_chat_episode
 from palaestra.benchmarks.limits import RateLimiter, describe_retry, with_retries
@@ -24,17 +24,8 @@ from palaestra.errors import EngineError
 from palaestra.rollout.engines.base import Generation, SamplingParams
 from palaestra.types import Trajectory
 
-
-def _sampling(
-    *, temperature: float, top_p: float, top_k: int, max_new_tokens: int, sampling_seed: int | None
-) -> SamplingParams:
-    return SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        seed=sampling_seed,
-    )
+if TYPE_CHECKING:
+    from palaestra.benchmarks.runner import EpisodeRequest
 
 
 class RetryingEngine:
@@ -131,42 +122,13 @@ class TokenPolicy:
         options.setdefault("enable_thinking", self.enable_thinking)
         return make_agent(self.tokenizer, family, **options)
 
-    async def play(
-        self,
-        env: Any,
-        benchmark: Benchmark,
-        *,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        max_new_tokens: int,
-        seed: int | None,
-        sampling_seed: int | None,
-        task: Mapping[str, Any] | None,
-        session_id: str,
-        max_turns: int | None,
-        step_timeout_s: float | None,
-    ) -> Trajectory:
+    async def play(self, env: Any, benchmark: Benchmark, request: EpisodeRequest) -> Trajectory:
         from palaestra.rollout.episode import run_episode
 
-        sampling = _sampling(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            max_new_tokens=max_new_tokens,
-            sampling_seed=sampling_seed,
-        )
         return await run_episode(
-            env,
-            self.agent_for(benchmark),
-            self.engine,
-            sampling,
-            seed=seed,
-            task=task,
-            session_id=session_id,
-            max_turns=max_turns,
-            step_timeout_s=step_timeout_s,
-            env_id=benchmark.env_id,
+            env, self.agent_for(benchmark), self.engine, request.sampling, seed=request.seed,
+            task=request.task, session_id=request.session_id, max_turns=request.max_turns,
+            step_timeout_s=request.step_timeout_s, env_id=benchmark.env_id,
         )
 
     async def close(self) -> None:
@@ -186,39 +148,13 @@ class ChatPolicy:
         if check is not None:
             await check()
 
-    async def play(
-        self,
-        env: Any,
-        benchmark: Benchmark,
-        *,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        max_new_tokens: int,
-        seed: int | None,
-        sampling_seed: int | None,
-        task: Mapping[str, Any] | None,
-        session_id: str,
-        max_turns: int | None,
-        step_timeout_s: float | None,
-    ) -> Trajectory:
-        sampling = _sampling(
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            max_new_tokens=max_new_tokens,
-            sampling_seed=sampling_seed,
-        )
+    async def play(self, env: Any, benchmark: Benchmark, request: EpisodeRequest) -> Trajectory:
+        sampling = request.sampling
         if benchmark.chat_stop:
             sampling = replace(sampling, stop=tuple(benchmark.chat_stop))
         return await run_chat_episode(
-            env,
-            self.chat,
-            sampling,
-            seed=seed,
-            task=task,
-            max_turns=max_turns,
-            step_timeout_s=step_timeout_s,
+            env, self.chat, sampling, seed=request.seed, task=request.task,
+            max_turns=request.max_turns, step_timeout_s=request.step_timeout_s,
             env_id=benchmark.env_id,
         )
 

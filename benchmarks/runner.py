@@ -23,10 +23,23 @@ from palaestra.benchmarks.registry import Benchmark, get_benchmark
 from palaestra.benchmarks.store import SampleKey, SampleStore, check_run_meta, key_of, light
 from palaestra.benchmarks.summary import summarize, write_summary
 from palaestra.errors import ConfigError, EngineError
+from palaestra.rollout.engines.base import SamplingParams
 from palaestra.types import StopReason, Trajectory
 
 #: Episodes that may leave their env mid-step (a timed-out step, an exception): not reused.
 _UNSAFE = (StopReason.TIMEOUT, StopReason.ERROR)
+
+
+@dataclass(frozen=True)
+class EpisodeRequest:
+    """One sample to play: its sampling, the env seed and task, and the episode's limits."""
+
+    sampling: SamplingParams
+    seed: int | None
+    task: Mapping[str, Any] | None
+    session_id: str
+    max_turns: int | None
+    step_timeout_s: float | None
 
 
 class Policy(Protocol):
@@ -38,22 +51,7 @@ class Policy(Protocol):
     async def check(self) -> None:
         """Raise a clear `EngineError`/`ConfigError` when the model cannot be used (before work)."""
 
-    async def play(
-        self,
-        env: Any,
-        benchmark: Benchmark,
-        *,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        max_new_tokens: int,
-        seed: int | None,
-        sampling_seed: int | None,
-        task: Mapping[str, Any] | None,
-        session_id: str,
-        max_turns: int | None,
-        step_timeout_s: float | None,
-    ) -> Trajectory:
+    async def play(self, env: Any, benchmark: Benchmark, request: EpisodeRequest) -> Trajectory:
         """Play one episode; failures come back on the trajectory, never as exceptions."""
 
     async def close(self) -> None: ...
@@ -143,20 +141,16 @@ async def _run_benchmark(
             began = time.perf_counter()
             traj = None
             try:
-                traj = await policy.play(
-                    env,
-                    benchmark,
-                    temperature=settings.temperature,
-                    top_p=settings.top_p,
-                    top_k=settings.top_k,
-                    max_new_tokens=max_new,
+                traj = await policy.play(env, benchmark, EpisodeRequest(
+                    sampling=SamplingParams(
+                        max_new_tokens=max_new, temperature=settings.temperature,
+                        top_p=settings.top_p, top_k=settings.top_k, seed=seed),
                     seed=task_seed if task_seed is not None else seed,
-                    sampling_seed=seed,
                     task=row,
                     session_id=f"{benchmark.name}/{task_id}/{i}",
                     max_turns=settings.max_turns or benchmark.max_turns,
                     step_timeout_s=settings.step_timeout_s,
-                )
+                ))
             finally:
                 pool.release(env, reusable=traj is not None and traj.stop_reason not in _UNSAFE)
             elapsed = time.perf_counter() - began
