@@ -26,6 +26,26 @@ def _source(name: str) -> Any:
 
 _SEARCH_R1_AGENT = {"family": "search_r1"}
 
+
+def _search_r1(name: str, dataset: str, description: str, **extra: Any) -> Benchmark:
+    """A Search-R1 QA benchmark: tag protocol, exact match on the <answer>."""
+    return Benchmark(
+        name=name, env_id="palaestra/SearchR1-v0", dataset=dataset, agent=_SEARCH_R1_AGENT,
+        chat_stop=("</search>",),  # an API model must not invent the search results
+        answer="info", normalize="text", max_new_tokens=512, description=description, **extra,
+    )
+
+
+def _game(name: str, env: str, num_tasks: int, tasks: str, success: str, *,
+          max_new_tokens: int = 256) -> Benchmark:
+    """A gymnasium toy-text game played as text; success is the env's own."""
+    return Benchmark(
+        name=name, env_id=f"palaestra/{env}-v0", dataset=None, num_tasks=num_tasks, answer=None,
+        max_new_tokens=max_new_tokens,
+        description=f"{env} as a text game ({tasks}), success = {success}",
+    )
+
+
 BUILTIN_BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         name="gsm8k",
@@ -62,16 +82,9 @@ BUILTIN_BENCHMARKS: tuple[Benchmark, ...] = (
         max_new_tokens=1024,
         description="MBPP test split (tasks 11-510), all asserts must pass in the sandbox",
     ),
-    Benchmark(
-        name="nq_open",
-        env_id="palaestra/SearchR1-v0",
-        dataset="search/nq_open_dev.jsonl.gz",
-        agent=_SEARCH_R1_AGENT,
-        chat_stop=("</search>",),  # an API model must not invent the search results
-        answer="info",
-        normalize="text",
-        max_new_tokens=512,
-        description="NQ-open dev (3,610 questions), Search-R1 protocol, exact match",
+    _search_r1(
+        "nq_open", "search/nq_open_dev.jsonl.gz",
+        "NQ-open dev (3,610 questions), Search-R1 protocol, exact match",
         required_env_kwargs=("retriever",),
         requires=(
             "a retriever over full Wikipedia: --env-kwargs '{\"retriever\": "
@@ -79,29 +92,15 @@ BUILTIN_BENCHMARKS: tuple[Benchmark, ...] = (
             "`palaestra serve-retriever --corpus YOUR_WIKI.jsonl`)"
         ),
     ),
-    Benchmark(
-        name="hotpotqa",
-        env_id="palaestra/SearchR1-v0",
-        dataset="search/multihop.jsonl.gz",
+    _search_r1(
+        "hotpotqa", "search/multihop.jsonl.gz",
+        "HotpotQA multi-hop questions over the shipped corpus (BM25), exact match",
         rows=_source("hotpotqa"),
-        agent=_SEARCH_R1_AGENT,
-        chat_stop=("</search>",),  # an API model must not invent the search results
-        answer="info",
-        normalize="text",
-        max_new_tokens=512,
-        description="HotpotQA multi-hop questions over the shipped corpus (BM25), exact match",
     ),
-    Benchmark(
-        name="musique",
-        env_id="palaestra/SearchR1-v0",
-        dataset="search/multihop.jsonl.gz",
+    _search_r1(
+        "musique", "search/multihop.jsonl.gz",
+        "MuSiQue multi-hop questions over the shipped corpus (BM25), exact match",
         rows=_source("musique"),
-        agent=_SEARCH_R1_AGENT,
-        chat_stop=("</search>",),  # an API model must not invent the search results
-        answer="info",
-        normalize="text",
-        max_new_tokens=512,
-        description="MuSiQue multi-hop questions over the shipped corpus (BM25), exact match",
     ),
     Benchmark(
         name="calculator",
@@ -113,42 +112,10 @@ BUILTIN_BENCHMARKS: tuple[Benchmark, ...] = (
         max_new_tokens=256,
         description="arithmetic with a calculator tool (tasks generated from seeds 0..199)",
     ),
-    Benchmark(
-        name="frozenlake",
-        env_id="palaestra/FrozenLake-v0",
-        dataset=None,
-        num_tasks=100,
-        answer=None,
-        max_new_tokens=256,
-        description="FrozenLake as a text game (maps from seeds 0..99), success = goal reached",
-    ),
-    Benchmark(
-        name="taxi",
-        env_id="palaestra/Taxi-v0",
-        dataset=None,
-        num_tasks=100,
-        answer=None,
-        max_new_tokens=256,
-        description="Taxi as a text game (seeds 0..99), success = passenger delivered",
-    ),
-    Benchmark(
-        name="blackjack",
-        env_id="palaestra/Blackjack-v0",
-        dataset=None,
-        num_tasks=200,
-        answer=None,
-        max_new_tokens=128,
-        description="Blackjack as a text game (seeds 0..199), success = hand won",
-    ),
-    Benchmark(
-        name="cliffwalking",
-        env_id="palaestra/CliffWalking-v0",
-        dataset=None,
-        num_tasks=50,
-        answer=None,
-        max_new_tokens=256,
-        description="CliffWalking as a text game (seeds 0..49), success = goal reached",
-    ),
+    _game("frozenlake", "FrozenLake", 100, "maps from seeds 0..99", "goal reached"),
+    _game("taxi", "Taxi", 100, "seeds 0..99", "passenger delivered"),
+    _game("blackjack", "Blackjack", 200, "seeds 0..199", "hand won", max_new_tokens=128),
+    _game("cliffwalking", "CliffWalking", 50, "seeds 0..49", "goal reached"),
 )
 
 __all__ = ["BUILTIN_BENCHMARKS"]
