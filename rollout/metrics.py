@@ -27,6 +27,11 @@ def _sum(trajectories: Iterable[Trajectory], key: str) -> float:
     return float(sum(t.metrics.get(key, 0.0) for t in trajectories))
 
 
+_GATEWAY_COUNTERS = frozenset({
+    "calls", "samples", "prefix_breaks", "external",
+})
+
+
 def summarize(
     finished: Sequence[Trajectory],
     kept: Sequence[Trajectory],
@@ -59,6 +64,16 @@ def summarize(
     if drift:
         out["drift/checked"] = float(len(drift))
         out["drift/mismatches"] = float(sum(1 for d in drift if d))
+
+    # agents behind the gateway (AgentEnv) and posted trajectories report how their model calls
+    # became samples: sum those counters over the step
+    gateway = [t.metrics for t in finished if "prefix_breaks" in t.metrics or "external" in t.metrics]
+    if gateway:
+        out["gateway/episodes"] = float(len(gateway))
+        keys = {k for m in gateway for k in m if k in _GATEWAY_COUNTERS
+                or k.endswith("_continuations")}
+        for key in sorted(keys):
+            out[f"gateway/{key}"] = float(sum(m.get(key, 0.0) for m in gateway))
 
     failed = sum(1 for t in finished if t.failed)
     out["episodes/finished"] = float(len(finished))

@@ -74,6 +74,9 @@ async def test_agent_env_groups_fill_a_manager_batch(manager_factory):
         assert sample.group_id == traj.group_id and sample.reward == traj.reward
         assert sample.num_sampled > 0 and len(sample.turn_ends) == 2
     assert batch.metrics["ledger/unaccounted"] == 0 and batch.metrics["groups/kept"] == 2
+    # the gateway's counters, summed over the step's episodes
+    assert batch.metrics["gateway/episodes"] == 4 and batch.metrics["gateway/calls"] == 8
+    assert batch.metrics["gateway/samples"] == 4 and batch.metrics["gateway/prefix_breaks"] == 0
 
 
 async def test_posted_groups_join_batches_with_generated_groups(manager_factory, tokenizer):
@@ -97,6 +100,7 @@ async def test_posted_groups_join_batches_with_generated_groups(manager_factory,
     assert external[0].group_id != generated[0].group_id  # the manager's own group ids
     assert batch.metrics["ledger/unaccounted"] == 0 and batch.metrics["groups/kept"] == 2
     assert len({s.group_id for s in batch.samples}) == 2
+    assert batch.metrics["gateway/external"] == 2
 
 
 async def test_the_evaluation_harness_plays_agent_envs(model_dir, engine, tokenizer):
