@@ -270,6 +270,19 @@ def format_table(rows: list[GpuRow], gpu_memory_gib: float) -> list[str]:
     return out
 
 
+def _sync_line(cfg: TrainConfig) -> str:
+    e = cfg.engine
+    method = e.weight_sync
+    if method == "auto":
+        method = "in_process" if e.kind == "local" else "distributed if CUDA is here, else disk"
+    if e.kind == "sglang" and method.startswith("distributed"):
+        method += (f" ({e.sync_backend}, rendezvous {e.sync_master_address}:"
+                   f"{e.sync_master_port or 'any port'}, {e.sync_bucket_mb} MB buckets)")
+    elif method == "disk":
+        method += f" ({e.sync_dir})"
+    return method
+
+
 def describe_placement(cfg: TrainConfig, environ: Mapping[str, str] | None = None) -> str:
     """The placement plan and per-GPU memory table, or the single-process layout."""
     environ = os.environ if environ is None else environ
@@ -320,7 +333,7 @@ def describe_plan(cfg: TrainConfig, environ: Mapping[str, str] | None = None) ->
             + f"), max {r.max_new_tokens} new tokens/turn"
         )
         lines.append(f"engine: {cfg.engine.kind}" + (f" at {', '.join(cfg.engine.urls)}"
-  if cfg.engine.urls else " (in process)"))
+  if cfg.engine.urls else " (in process)") + f"; weight sync: {_sync_line(cfg)}")
         if cfg.warmup.steps:
             lines.append(f"warm start: {cfg.warmup.steps} SFT steps on {cfg.warmup.demonstrations}")
     lines.append(describe_placement(cfg, environ))
