@@ -108,7 +108,10 @@ class ScriptedEngine:
                 pass
             else:  # aborted: keep what was "generated" so far
                 done = (time.perf_counter() - began) / self.latency_s
-                tokens = tokens[: int(len(tokens) * min(done, 1.0))]
+                # an aborted request never has all its tokens: under a loaded event loop the
+                # abort can land after the latency ran out, which would otherwise leave nothing
+                # for the resumed request (and no partial rollout to observe)
+                tokens = tokens[: min(int(len(tokens) * done), max(len(tokens) - 1, 0))]
                 finish_reason = "abort"
                 if session_id is not None:
                     self._partial[session_id] = (response, start + len(tokens))
