@@ -375,6 +375,10 @@ class RolloutManager:
         self._paused = True
         if self._control is not None:  # shared engines: one abort-all instead of one per request
             await asyncio.gather(*(h.call("close_gate") for h in self._handles))
+            # abort while the engines still run: SGLang finishes an aborted running request on
+            # its next decode step, which a paused scheduler never takes; abort once more after
+            # the pause for a request that was on the wire during the first one
+            await self._on_engines("abort")
             await self._on_engines("pause")
             await self._on_engines("abort")
         reports = await asyncio.gather(

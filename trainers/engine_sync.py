@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from palaestra.errors import ConfigError
+
 if TYPE_CHECKING:
     from palaestra.rollout.engines.weight_transfer import TransferStats
     from palaestra.trainers.config import TrainConfig
@@ -59,16 +61,14 @@ class EngineSync:
         sender: Any = None
         device = "cpu"
         if method == "distributed":
-            if e.sync_backend == "nccl":
-                if not torch.cuda.is_available():
-                    from palaestra.errors import ConfigError
-
-                    raise ConfigError("engine.sync_backend = 'nccl' needs CUDA here; use 'gloo' "
-                                      "or engine.weight_sync = 'disk'")
-                device = "cuda"
+            if e.sync_backend == "nccl" and not torch.cuda.is_available():
+                raise ConfigError("engine.sync_backend = 'nccl' needs CUDA here; use 'gloo' "
+                                  "or engine.weight_sync = 'disk'")
             sender = DistributedWeightSender(
                 engine.clients, backend=e.sync_backend, master_address=e.sync_master_address,
                 master_port=e.sync_master_port, timeout_s=e.sync_timeout_s)
+            if e.sync_backend == "nccl":  # a CUDA snapshot of the weights: no host round trip
+                device = "cuda"
         elif method == "disk":
             sender = DiskWeightSender(engine.clients, e.sync_dir.replace("{out}", cfg.out),
                                       model_dir=policy_path, keep_last=2)
@@ -101,7 +101,23 @@ class EngineSync:
                                   len(weights), 1)
         return self.last
 
+    async def push_checkpoint(self, path: Path, version: int) -> None:
+        """Load a Hugging Face checkpoint folder into the engines (e.g. the warm-started policy):
+        by path for the embedded engine, through the sender for servers, which may not see
+        this machine's disk."""
+        from palaestra.rollout.engines.model import iter_safetensors, safetensors_files
+        from palaestra.rollout.engines.weight_transfer import bucketize
+
+        if self.sender is None:
+            await self.engine.update_weights(path=str(path), version=version)
+            return
+        named = iter_safetensors(safetensors_files(path))
+        if self.dtype is not None:
+            named = ((n, t.to(self.dtype) if t.is_floating_point() else t) for n, t in named)
+        self.last = await self.sender.push(bucketize(named, self.bucket_bytes), version)
+
     async def close(self) -> None:
+        """Tear down the sender's weight-update group (nothing for the other paths)."""
         if self.sender is not None:
             await self.sender.close()
 

@@ -174,7 +174,8 @@ async def run_warmup(cfg: TrainConfig, run: RunDir, model_path: Path, spec: Any)
     return out
 
 
-async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, engine: Any) -> None:
+async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, engine: Any,
+                 sync: EngineSync) -> None:
     """The RL steps, resumable from the newest ``rl-*`` checkpoint."""
     from palaestra.rollout import DataSource, EngineSpec, RolloutManager, WorkerConfig
     from palaestra.rollout.config import RolloutConfig
@@ -196,7 +197,6 @@ async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, en
         live_engine = None
     else:
         engine_spec, live_engine = EngineSpec(), engine
-    sync = EngineSync.from_config(cfg, engine, policy_path)
     worker_cfg = WorkerConfig(
         engine=engine_spec, agent=spec, sampling=sampling_params(cfg),
         env_kwargs={cfg.env.id: dict(cfg.env.kwargs)}, max_turns=r.max_turns,
@@ -265,7 +265,6 @@ async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, en
         backend.export_hf(run.root / "final-model")
     finally:
         progress.close()
-        await sync.close()
         if server is not None:
             await server.close()
 
@@ -347,25 +346,27 @@ async def train_async(cfg: TrainConfig) -> dict[str, Any]:
             await asyncio.to_thread(run_offline, cfg, run, model_path, spec)
             return {}
         engine = build_engine(cfg, model_path)
+        sync: EngineSync | None = None
         try:
             if cfg.engine.kind == "sglang":
                 await engine.start()
+            sync = EngineSync.from_config(cfg, engine, model_path)
             if not run.has_eval("init"):
                 await evaluate_stage(cfg, run, engine, spec, "init")
             policy_path = model_path
             if cfg.warmup.steps > 0:
                 policy_path = await run_warmup(cfg, run, model_path, spec)
+                await sync.push_checkpoint(policy_path, version=0)
                 if not run.has_eval("sft"):
-                    await engine.update_weights(path=str(policy_path), version=0)
                     await evaluate_stage(cfg, run, engine, spec, "sft")
-                else:
-                    await engine.update_weights(path=str(policy_path), version=0)
             if cfg.trainer.steps > 0 and run.read_state().get("phase") != "done":
-                await run_rl(cfg, run, policy_path, spec, engine)
+                await run_rl(cfg, run, policy_path, spec, engine, sync)
                 run.write_state({"phase": "done", "step": cfg.trainer.steps})
             if not run.has_eval("rl") and cfg.trainer.steps > 0:
                 await evaluate_stage(cfg, run, engine, spec, "rl")
         finally:
+            if sync is not None:
+                await sync.close()
             await engine.close()
         return {e["stage"]: e["success_rate"] for e in run.read_jsonl("eval.jsonl")}
     finally:

@@ -42,7 +42,8 @@ class OptimizerSettings(BaseModel):
     """Final learning rate of the decaying schedules, as a fraction of ``lr``."""
 
     max_grad_norm: float | None = Field(1.0, gt=0.0)
-    """Clip the global gradient norm to this value (None: no clipping, norm still logged)."""
+    """Clip the global gradient norm to this value (None: no clipping; the PyTorch backend
+    still logs the norm, megatron-core then computes none)."""
 
     max_tokens_per_micro_batch: int = Field(8192, gt=0)
     """Token budget of one training micro-batch (padding included when not packing)."""

@@ -328,7 +328,7 @@ def build_app(state: ServerState) -> web.Application:
         return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
     async def init_group(request: web.Request) -> web.Response:
-        from palaestra.rollout.engines.weight_group import init_weight_group
+        from palaestra.rollout.engines.weight_group import in_daemon_thread, init_weight_group
 
         body = sp.check_body(await read_json(request), sp.INIT_WEIGHTS_UPDATE_GROUP_REQ_INPUT,
                              "InitWeightsUpdateGroupReqInput")
@@ -342,8 +342,9 @@ def build_app(state: ServerState) -> web.Application:
                 f"this server runs on {engine.device}; NCCL needs a CUDA engine: use backend "
                 "'gloo', or /update_weights_from_tensor or /update_weights_from_disk")},
                 status=400)
-        try:  # blocks until the trainer (rank 0) and every server joined: off the event loop
-            group = await asyncio.to_thread(
+        try:  # blocks until the trainer (rank 0) and every server joined: off the event loop,
+            # in a daemon thread so that a rendezvous the trainer abandoned cannot block exit
+            group = await in_daemon_thread(
                 init_weight_group, backend=backend, master_address=body["master_address"],
                 master_port=int(body["master_port"]), world_size=int(body["world_size"]),
                 rank=int(body["rank_offset"]), group_name=name)
@@ -355,7 +356,7 @@ def build_app(state: ServerState) -> web.Application:
                                   "message": "Succeeded to initialize custom process group."})
 
     async def update_from_distributed(request: web.Request) -> web.Response:
-        from palaestra.rollout.engines.weight_group import receive_tensors
+        from palaestra.rollout.engines.weight_group import in_daemon_thread, receive_tensors
 
         body = sp.check_body(await read_json(request), sp.UPDATE_WEIGHTS_FROM_DISTRIBUTED_REQ_INPUT,
                              "UpdateWeightsFromDistributedReqInput")
@@ -371,8 +372,8 @@ def build_app(state: ServerState) -> web.Application:
                 status=400)
         group, device = state.weight_groups[name]
         # receive first (the trainer is broadcasting now), then swap them in between two steps
-        tensors = await asyncio.to_thread(receive_tensors, group, body["names"], body["dtypes"],
-                                          body["shapes"], device)
+        tensors = await in_daemon_thread(receive_tensors, group, body["names"], body["dtypes"],
+                                         body["shapes"], device)
 
         async def load(version: int | None) -> None:
             await engine.update_weights(tensors, version=version)
@@ -381,7 +382,7 @@ def build_app(state: ServerState) -> web.Application:
         return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
     async def destroy_group(request: web.Request) -> web.Response:
-        from palaestra.rollout.engines.weight_group import destroy_weight_group
+        from palaestra.rollout.engines.weight_group import destroy_weight_group, in_daemon_thread
 
         body = sp.check_body(await read_json(request), sp.DESTROY_WEIGHTS_UPDATE_GROUP_REQ_INPUT,
                              "DestroyWeightsUpdateGroupReqInput")
@@ -389,7 +390,7 @@ def build_app(state: ServerState) -> web.Application:
         if entry is None:
             return web.json_response({"success": False, "message": (
                 "The group to be destroyed does not exist.")}, status=400)
-        await asyncio.to_thread(destroy_weight_group, entry[0])
+        await in_daemon_thread(destroy_weight_group, entry[0])
         return web.json_response({"success": True,
                                   "message": "Succeeded to destroy custom process group."})
 

@@ -20,13 +20,15 @@ import asyncio
 import shutil
 import socket
 import time
+import uuid
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import ConfigError, EngineError
-from palaestra.rollout.engines.weight_group import DEFAULT_GROUP_NAME, dtype_name
+from palaestra.rollout.engines.weight_group import DEFAULT_GROUP_NAME, dtype_name, in_daemon_thread
 
 if TYPE_CHECKING:
     import torch
@@ -101,12 +103,14 @@ class DistributedWeightSender:
     """Rank 0 of SGLang's weight-update group; `connect` once, `push` after every step.
 
     ``backend`` "nccl" sends from ``device`` (a CUDA device of this process); "gloo" from the CPU.
-    ``master_port`` 0 picks a free port. The servers must reach ``master_address``.
+    ``master_port`` 0 picks a free port. The servers must reach ``master_address``. The group
+    name gets a per-sender suffix, so servers still holding the group of a crashed trainer do
+    not refuse the resumed one.
     """
 
     def __init__(self, clients: Sequence[SGLangClient], *, backend: str = "nccl",
                  master_address: str = "127.0.0.1", master_port: int = 0,
-                 group_name: str = DEFAULT_GROUP_NAME, device: Any = None,
+                 group_name: str | None = None, device: Any = None,
                  timeout_s: float = 600.0) -> None:
         if not clients:
             raise ConfigError("DistributedWeightSender needs at least one server")
@@ -116,11 +120,12 @@ class DistributedWeightSender:
         self.backend = backend
         self.master_address = master_address
         self.master_port = master_port
-        self.group_name = group_name
+        self.group_name = group_name or f"{DEFAULT_GROUP_NAME}_{uuid.uuid4().hex[:8]}"
         self.device = device
         self.timeout_s = timeout_s
         self.group: Any = None
         self.world_size = 0
+        self.unflushed = 0  # servers that declined the last push's cache flush
 
     async def connect(self) -> None:
         """Create the group: every server joins (rank offsets by TP size) while this side hosts."""
@@ -131,6 +136,13 @@ class DistributedWeightSender:
         if self.group is not None:
             return
         infos = await asyncio.gather(*(c.get_server_info() for c in self.clients))
+        for client, info in zip(self.clients, infos, strict=True):
+            for key in ("dp_size", "pp_size"):
+                if int(info.get(key, 1) or 1) > 1:
+                    raise ConfigError(
+                        f"{client.url} runs {key}={info[key]}: SGLang's weight-update group "
+                        "ranks a server by its TP rank only; launch one server per data- or "
+                        "pipeline-parallel replica and list each URL, or use weight_sync = 'disk'")
         tp_sizes = [int(info.get("tp_size", 1) or 1) for info in infos]
         self.world_size = 1 + sum(tp_sizes)
         port = self.master_port or free_port(self.master_address)
@@ -140,53 +152,103 @@ class DistributedWeightSender:
                            else torch.device("cuda", torch.cuda.current_device()))
         joins = [asyncio.create_task(c.init_weights_update_group(
             master_address=self.master_address, master_port=port, rank_offset=off,
-            world_size=self.world_size, group_name=self.group_name, backend=self.backend))
+            world_size=self.world_size, group_name=self.group_name, backend=self.backend,
+            timeout_s=self.timeout_s))
             for c, off in zip(self.clients, offsets, strict=True)]
-        host = asyncio.create_task(asyncio.to_thread(
+        # a daemon thread: a rendezvous left waiting by a refusing server must not hold up exit
+        host = asyncio.ensure_future(in_daemon_thread(
             init_weight_group, backend=self.backend, master_address=self.master_address,
             master_port=port, world_size=self.world_size, rank=0, group_name=self.group_name,
             timeout_s=self.timeout_s))
         try:
             # a server that cannot join answers at once: fail then, not at the store's timeout
-            pending: set[asyncio.Task[Any]] = {host, *joins}
+            pending: set[asyncio.Future[Any]] = {host, *joins}
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
                     if task is host:
                         self.group = task.result()
                     else:
-                        client = self.clients[joins.index(task)]
+                        client = self.clients[joins.index(task)]  # type: ignore[arg-type]
                         _check(task.result(), "/init_weights_update_group", client.url)
         except (RuntimeError, ValueError, OSError, EngineError) as exc:
             for task in joins:
                 task.cancel()
+            host.add_done_callback(_discard_result)
             raise EngineError(
                 f"the weight-update group at {self.master_address}:{port} did not form: {exc}; "
                 "check that every server can reach master_address") from exc
 
     async def push(self, buckets: Iterable[Bucket], version: int) -> TransferStats:
-        """Broadcast every bucket (one request per bucket and server), then flush the caches."""
+        """Broadcast every bucket (one request per bucket and server), then flush the caches.
+
+        Tied weights (one tensor under two names) travel once. A server that refuses or dies
+        mid-bucket aborts the group (the next push forms a new one) and raises `EngineError`.
+        """
         from palaestra.rollout.engines.weight_group import broadcast_tensors
 
         await self.connect()
         _synchronize()
         start = time.perf_counter()
         nbytes = ntensors = nbuckets = 0
+        seen = _Seen()
         for bucket in buckets:
-            tensors = [self._on_wire(t) for _, t in bucket]
+            unique = seen.new(bucket)
+            if not unique:
+                continue
+            tensors = [self._on_wire(t) for _, t in unique]
             requests = [asyncio.create_task(c.update_weights_from_distributed(
-                names=[n for n, _ in bucket], dtypes=[dtype_name(t.dtype) for t in tensors],
+                names=[n for n, _ in unique], dtypes=[dtype_name(t.dtype) for t in tensors],
                 shapes=[list(t.shape) for t in tensors], group_name=self.group_name,
-                version=version)) for c in self.clients]
-            await asyncio.to_thread(broadcast_tensors, self.group, tensors)
-            for client, out in zip(self.clients, await asyncio.gather(*requests), strict=True):
-                _check(out, "/update_weights_from_distributed", client.url)
+                version=version, timeout_s=self.timeout_s)) for c in self.clients]
+            sending = asyncio.ensure_future(in_daemon_thread(broadcast_tensors, self.group,
+                                                             tensors))
+            await self._settle(sending, requests)
             nbuckets += 1
             ntensors += len(tensors)
             nbytes += sum(t.numel() * t.element_size() for t in tensors)
-        await asyncio.gather(*(c.flush_cache_quietly() for c in self.clients))
+        flushed = await asyncio.gather(*(c.flush_cache_quietly() for c in self.clients))
+        self.unflushed = len(flushed) - sum(flushed)
         _synchronize()
         return TransferStats(time.perf_counter() - start, nbytes, ntensors, nbuckets)
+
+    async def _settle(self, sending: asyncio.Future[Any], requests: list[asyncio.Task[Any]]
+                      ) -> None:
+        """Wait for the broadcast and every server's answer; a failed answer ends the group."""
+        pending: set[asyncio.Future[Any]] = {sending, *requests}
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task is not sending:
+                        client = self.clients[requests.index(task)]  # type: ignore[arg-type]
+                        _check(task.result(), "/update_weights_from_distributed", client.url)
+                    else:
+                        task.result()
+        except BaseException:
+            for task in requests:
+                task.cancel()
+            sending.add_done_callback(_discard_result)
+            await self._abandon_group()  # the broadcast may be stuck waiting for that server
+            raise
+
+    async def _abandon_group(self) -> None:
+        """Drop a group a failed push left in an unknown state; the next push forms a new one
+        under a new name (servers that keep the old one cannot refuse it)."""
+        group, self.group = self.group, None
+        abort = getattr(group, "abort", None)
+        if abort is not None:
+            try:
+                abort()  # NCCL: ends the blocked broadcast instead of waiting for its watchdog
+            except RuntimeError:
+                pass
+        old, self.group_name = self.group_name, f"{DEFAULT_GROUP_NAME}_{uuid.uuid4().hex[:8]}"
+        cleanup = asyncio.gather(*(c.destroy_weights_update_group(old) for c in self.clients),
+                                 return_exceptions=True)
+        try:
+            await asyncio.wait_for(cleanup, timeout=5.0)
+        except asyncio.TimeoutError:
+            pass  # a server stuck in its teardown keeps a stale group; the new name avoids it
 
     def _on_wire(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.backend == "gloo":
@@ -202,9 +264,34 @@ class DistributedWeightSender:
         group, self.group = self.group, None
         # both sides at once: tearing down an NCCL communicator can wait for its peers, so a
         # trainer that waited for the servers' answers before its own teardown would deadlock
-        await asyncio.gather(asyncio.to_thread(destroy_weight_group, group),
+        await asyncio.gather(in_daemon_thread(destroy_weight_group, group),
                              *(c.destroy_weights_update_group(self.group_name)
                                for c in self.clients), return_exceptions=True)
+
+
+class _Seen:
+    """Tensors already sent in one push, tracked by weak reference: a freed temporary whose
+    address a later tensor reuses is not mistaken for it, and nothing is kept alive."""
+
+    def __init__(self) -> None:
+        self._by_ptr: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    def new(self, bucket: Bucket) -> Bucket:
+        out = []
+        for name, tensor in bucket:
+            ptr = tensor.data_ptr()
+            ref = self._by_ptr.get(ptr)
+            old = ref() if ref is not None else None
+            if old is not None and old.shape == tensor.shape and old.dtype == tensor.dtype:
+                continue  # the same storage under a second name (tied embeddings)
+            self._by_ptr[ptr] = weakref.ref(tensor)
+            out.append((name, tensor))
+        return out
+
+
+def _discard_result(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: no "exception was never retrieved" at exit
 
 
 class DiskWeightSender:
@@ -243,13 +330,9 @@ class DiskWeightSender:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
         nbytes = ntensors = nbuckets = 0
-        written: set[int] = set()  # tied weights (lm_head = embeddings) are written once
+        seen = _Seen()  # tied weights (lm_head = embeddings) are written once
         for i, bucket in enumerate(buckets):
-            tensors: dict[str, torch.Tensor] = {}
-            for name, tensor in bucket:
-                if tensor.data_ptr() not in written:
-                    written.add(tensor.data_ptr())
-                    tensors[name] = tensor.detach().cpu().contiguous()
+            tensors = {n: t.detach().cpu().contiguous() for n, t in seen.new(bucket)}
             if not tensors:
                 continue
             save_file(tensors, str(partial / f"model-{i:05d}.safetensors"), metadata={"format": "pt"})

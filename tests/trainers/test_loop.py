@@ -267,6 +267,10 @@ def test_grpo_against_a_separate_server_process(tmp_path, micro_model, yes_env, 
     from palaestra.rollout.engines.weight_transfer import free_port
     from palaestra.trainers.loop import train
 
+    demos = tmp_path / "demos.jsonl"  # a short warm start: its policy reaches the server too
+    demos.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": "Say yes or no."},
+        {"role": "assistant", "content": "yes"}]}) + "\n" for _ in range(8)))
     port = free_port()
     server = ServerProcess([sys.executable, "-m", "palaestra", "serve", "--model", str(micro_model),
                             "--port", str(port), "--device", "cpu", "--threads", "1"],
@@ -282,7 +286,11 @@ num_tasks = 64
 steps = 2
 [trainer.loss]
 preset = "grpo"
-'''
+[warmup]
+steps = 2
+batch_size = 4
+demonstrations = "{demos}"
+'''.replace("{demos}", str(demos))
         body = body.replace('[engine]\ndevice = "cpu"\nmax_running = 64', f'''[engine]
 kind = "sglang"
 urls = ["{server.url}"]
@@ -309,6 +317,7 @@ sync_bucket_mb = 1''')
 
         info, got = asyncio.run(served())
         assert info["weight_version"] == "2"  # the version after the last step's push
+        assert [e["stage"] for e in _read(run / "eval.jsonl")] == ["init", "sft", "rl"]
         for name, values in got.items():
             torch.testing.assert_close(values, final[name][:3].float(), rtol=0, atol=0)
     finally:

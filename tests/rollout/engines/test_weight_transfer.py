@@ -173,3 +173,38 @@ async def test_a_server_that_cannot_join_fails_the_group_at_once(servers: list[s
         await first.close()
         for sender in (first, second):
             await sender.clients[0].close()
+
+
+def test_tied_weights_travel_once_and_reused_addresses_are_not_skipped() -> None:
+    from palaestra.rollout.engines.weight_transfer import _Seen
+
+    embed = torch.randn(4, 3)
+    seen = _Seen()
+    assert [n for n, _ in seen.new([("model.embed_tokens.weight", embed),
+                                    ("lm_head.weight", embed)])] == ["model.embed_tokens.weight"]
+    # streamed temporaries (as Megatron's gathered weights): each is freed before the next is
+    # made, so addresses repeat; none of them may be taken for an earlier one
+    seen, sent = _Seen(), []
+    for i in range(64):
+        t = torch.full((256,), float(i))
+        sent += [n for n, _ in seen.new([(f"w{i}", t)])]
+        del t
+    assert len(sent) == 64
+
+
+async def test_a_refused_bucket_fails_the_push_and_the_next_push_forms_a_new_group(
+        servers: list[str], other_weights_dir: str) -> None:
+    client = SGLangClient(servers[0], retries=0)
+    sender = DistributedWeightSender([client], backend="gloo")
+    new = load_file(f"{other_weights_dir}/model.safetensors")
+    try:
+        bad = [("model.layers.0.not_a_weight", torch.zeros(3))]
+        with pytest.raises(EngineError, match="not_a_weight"):
+            await sender.push([bad], version=20)
+        assert sender.group is None  # dropped, and renamed for the next one
+        stats = await sender.push(bucketize(new.items(), 1 << 30), version=21)
+        assert stats.num_tensors == len(new)
+        assert (await client.get_model_info())["weight_version"] == "21"
+    finally:
+        await sender.close()
+        await client.close()
