@@ -116,6 +116,16 @@ class EngineSync:
             named = ((n, t.to(self.dtype) if t.is_floating_point() else t) for n, t in named)
         self.last = await self.sender.push(bucketize(named, self.bucket_bytes), version)
 
+    def metrics(self) -> dict[str, float]:
+        """``sync/*`` of the last push (empty before the first), with the servers that declined
+        to flush their prefix cache afterwards (their cached prefixes predate the weights)."""
+        if self.last is None:
+            return {}
+        out = self.last.as_metrics()
+        if self.sender is not None and hasattr(self.sender, "unflushed"):
+            out["sync/unflushed_servers"] = float(self.sender.unflushed)
+        return out
+
     async def close(self) -> None:
         """Tear down the sender's weight-update group (nothing for the other paths)."""
         if self.sender is not None:

@@ -249,8 +249,7 @@ async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, en
                 record = _step_record(step, batch.metrics, train_metrics, sync_times,
                                       rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
                                       warmup_steps=cfg.warmup.steps)
-                if sync.last is not None:
-                    record.update(sync.last.as_metrics())
+                record.update(sync.metrics())
                 if evaluator is not None and evaluator.due(step + 1):
                     record.update(await evaluator.evaluate(engine, step + 1))
                 run.log_metrics(record)

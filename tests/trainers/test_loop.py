@@ -304,6 +304,8 @@ sync_bucket_mb = 1''')
         rl = [r for r in _read(run / "metrics.jsonl") if r["phase"] == "rl"]
         assert [r["version"] for r in rl] == [0, 1]
         assert all(r["sync/seconds"] > 0 and r["sync/buckets"] >= 1 for r in rl)
+        if method == "distributed":
+            assert all(r["sync/unflushed_servers"] == 0 for r in rl)
         final = load_file(str(run / "checkpoints" / "rl-000002" / "model.safetensors"))
 
         async def served() -> tuple[dict, dict[str, torch.Tensor]]:
