@@ -102,6 +102,17 @@ class EngineSection(Section):
     """Embedded engine in the trainer process, or SGLang servers."""
     urls: list[str] = Field(default_factory=list)
     """SGLang server URLs to attach to (kind = "sglang")."""
+    launch: Literal["none", "sglang", "palaestra"] = "none"
+    """Start the servers of this run (kind = "sglang"), stopped when it ends: "sglang" runs
+    ``python -m sglang.launch_server``, "palaestra" runs ``palaestra serve`` (the embedded engine
+    in its own process), one per group of ``launch_tp`` GPUs of ``launch_gpus`` (one CPU server
+    when that list is empty); they come in addition to ``urls``."""
+    launch_gpus: list[int] = Field(default_factory=list)
+    """GPUs of the launched servers, e.g. [1, 2, 3] with the trainer on GPU 0."""
+    launch_tp: int = Field(1, ge=1)
+    """Tensor-parallel size of each launched server."""
+    launch_args: list[str] = Field(default_factory=list)
+    """Extra arguments of every launched server's command line."""
     device: str | None = None
     """Device of the embedded engine (None: CUDA if available, else CPU)."""
     max_running: int = 256
@@ -234,8 +245,16 @@ class TrainConfig(Section):
             problems.append(f"algorithm = {self.algorithm!r} needs offline.dataset")
         if self.warmup.steps > 0 and not self.warmup.demonstrations:
             problems.append("warmup.steps > 0 needs warmup.demonstrations")
-        if self.engine.kind == "sglang" and not self.engine.urls:
-            problems.append("engine.kind = 'sglang' needs engine.urls (attach to running servers)")
+        if self.engine.kind == "sglang" and not self.engine.urls and self.engine.launch == "none":
+            problems.append("engine.kind = 'sglang' needs engine.urls (attach to running servers) "
+                            "or engine.launch = 'sglang' / 'palaestra' (start them)")
+        if self.engine.launch != "none" and self.engine.kind != "sglang":
+            problems.append("engine.launch starts servers: set engine.kind = 'sglang' too")
+        if self.engine.launch_gpus and len(self.engine.launch_gpus) % self.engine.launch_tp:
+            problems.append(f"engine.launch_gpus ({len(self.engine.launch_gpus)} GPUs) do not "
+                            f"split into groups of engine.launch_tp = {self.engine.launch_tp}")
+        if self.engine.launch == "palaestra" and self.engine.launch_tp > 1:
+            problems.append("palaestra serve runs one GPU per server: set engine.launch_tp = 1")
         if self.engine.kind == "local" and self.engine.weight_sync not in ("auto", "in_process"):
             problems.append(f"engine.weight_sync = {self.engine.weight_sync!r} needs SGLang "
                             "servers (engine.kind = 'sglang'); the embedded engine is updated "

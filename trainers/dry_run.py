@@ -164,14 +164,16 @@ def placement_fields(cfg: TrainConfig, environ: Mapping[str, str]) -> dict[str, 
             "PALAESTRA_COLOCATE")
     if not any(environ.get(k) for k in keys) and cfg.engine.kind == "local":
         return None
-    tp = _int_env(environ, "PALAESTRA_ENGINE_TP", 1) or 1
+    tp = _int_env(environ, "PALAESTRA_ENGINE_TP", cfg.engine.launch_tp) or 1
     colocate = environ.get("PALAESTRA_COLOCATE", "0").lower() in ("1", "true", "yes")
     total = _int_env(environ, "PALAESTRA_GPUS", None)
     trainer = _int_env(environ, "PALAESTRA_TRAINER_GPUS", None)
     engine = _int_env(environ, "PALAESTRA_ENGINE_GPUS", None)
     if engine is None:
         if cfg.engine.kind == "sglang" and not colocate:
-            engine = len(cfg.engine.urls) * tp
+            engine = len(cfg.engine.urls) * tp + len(cfg.engine.launch_gpus)
+            if cfg.engine.launch != "none" and not cfg.engine.launch_gpus:
+                return None  # one launched CPU server beside the trainer: no GPU placement
         elif colocate:
             engine = trainer or total or 1
         elif total is not None and trainer is not None:
@@ -270,6 +272,18 @@ def format_table(rows: list[GpuRow], gpu_memory_gib: float) -> list[str]:
     return out
 
 
+def _engine_line(cfg: TrainConfig) -> str:
+    e = cfg.engine
+    if e.kind == "local":
+        return "local (in process)"
+    parts = [f"at {', '.join(e.urls)}"] if e.urls else []
+    if e.launch != "none":
+        groups = len(e.launch_gpus) // e.launch_tp if e.launch_gpus else 1
+        where = f"GPUs {e.launch_gpus}, tp {e.launch_tp}" if e.launch_gpus else "CPU"
+        parts.append(f"launching {groups} {e.launch} server(s) ({where})")
+    return "sglang " + " + ".join(parts)
+
+
 def _sync_line(cfg: TrainConfig) -> str:
     e = cfg.engine
     method = e.weight_sync
@@ -332,8 +346,7 @@ def describe_plan(cfg: TrainConfig, environ: Mapping[str, str] | None = None) ->
             + (f" at {r.ray_address}" if r.ray_address else "")
             + f"), max {r.max_new_tokens} new tokens/turn"
         )
-        lines.append(f"engine: {cfg.engine.kind}" + (f" at {', '.join(cfg.engine.urls)}"
-  if cfg.engine.urls else " (in process)") + f"; weight sync: {_sync_line(cfg)}")
+        lines.append(f"engine: {_engine_line(cfg)}; weight sync: {_sync_line(cfg)}")
         if cfg.warmup.steps:
             lines.append(f"warm start: {cfg.warmup.steps} SFT steps on {cfg.warmup.demonstrations}")
     lines.append(describe_placement(cfg, environ))

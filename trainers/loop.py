@@ -67,11 +67,12 @@ def sampling_params(cfg: TrainConfig, temperature: float | None = None) -> Any:
 
 
 def build_engine(cfg: TrainConfig, model_path: Path) -> Any:
-    """The embedded engine, or a client over the SGLang servers of ``engine.urls``."""
+    """The embedded engine, or a client over SGLang servers (``engine.urls`` and the ones
+    ``engine.launch`` starts, logging to ``<out>/servers``)."""
     if cfg.engine.kind == "sglang":
-        from palaestra.rollout.engines.sglang import SGLangEngine
+        from palaestra.trainers.server_launch import launched_engine
 
-        return SGLangEngine(cfg.engine.urls)
+        return launched_engine(cfg.engine, model_path, Path(cfg.out) / "servers")
     from palaestra.rollout.engines import LocalEngine
 
     return LocalEngine(
@@ -188,7 +189,7 @@ async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, en
                       seed=cfg.data.seed, epochs=cfg.data.epochs)
     server = None
     if r.cluster == "ray" and cfg.engine.kind == "sglang":
-        engine_spec, live_engine = EngineSpec.http(cfg.engine.urls), None
+        engine_spec, live_engine = EngineSpec.http([c.url for c in engine.clients]), None
     elif r.cluster == "ray":
         from palaestra.rollout.engines.serve import start_server
 

@@ -324,3 +324,37 @@ sync_bucket_mb = 1''')
             torch.testing.assert_close(values, final[name][:3].float(), rtol=0, atol=0)
     finally:
         server.stop()
+
+
+def test_the_run_launches_its_own_server_and_stops_it(tmp_path, micro_model, yes_env):
+    """engine.launch = "palaestra": the run starts `palaestra serve` in its own process, rolls
+    out through it, syncs the weights over a gloo weight-update group and stops it at the end."""
+    import socket
+
+    from palaestra.trainers.loop import train
+
+    body = _base(tmp_path, micro_model) + '''
+[env]
+id = "yes_env:tests/Long-v0"
+[data]
+num_tasks = 64
+[trainer]
+steps = 2
+[trainer.loss]
+preset = "grpo"
+'''
+    body = body.replace('[engine]\ndevice = "cpu"\nmax_running = 64', '''[engine]
+kind = "sglang"
+launch = "palaestra"
+launch_args = ["--threads", "1"]
+weight_sync = "distributed"
+sync_backend = "gloo"''')
+    overrides = ["--rollout.batch_size", "4", "--rollout.group_size", "2", "--eval.num_tasks", "4"]
+    train(load_config(TrainConfig, _write_config(tmp_path, body), overrides))
+    run = tmp_path / "run"
+    rl = [r for r in _read(run / "metrics.jsonl") if r["phase"] == "rl"]
+    assert [r["version"] for r in rl] == [0, 1] and all(r["sync/seconds"] > 0 for r in rl)
+    (log,) = (run / "servers").glob("*.log")
+    port = int(log.stem.rsplit("-", 1)[1])
+    with socket.socket() as s:  # the server is gone with the run
+        assert s.connect_ex(("127.0.0.1", port)) != 0
