@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
+from palaestra.asyncio_utils import in_daemon_thread
 from palaestra.errors import ConfigError, EngineError
 from palaestra.rollout.engines import sglang_protocol as sp
 from palaestra.rollout.engines.base import EngineUnavailableError, SamplingParams
@@ -328,7 +329,7 @@ def build_app(state: ServerState) -> web.Application:
         return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
     async def init_group(request: web.Request) -> web.Response:
-        from palaestra.rollout.engines.weight_group import in_daemon_thread, init_weight_group
+        from palaestra.rollout.engines.weight_group import init_weight_group
 
         body = sp.check_body(await read_json(request), sp.INIT_WEIGHTS_UPDATE_GROUP_REQ_INPUT,
                              "InitWeightsUpdateGroupReqInput")
@@ -356,7 +357,7 @@ def build_app(state: ServerState) -> web.Application:
                                   "message": "Succeeded to initialize custom process group."})
 
     async def update_from_distributed(request: web.Request) -> web.Response:
-        from palaestra.rollout.engines.weight_group import in_daemon_thread, receive_tensors
+        from palaestra.rollout.engines.weight_group import receive_tensors
 
         body = sp.check_body(await read_json(request), sp.UPDATE_WEIGHTS_FROM_DISTRIBUTED_REQ_INPUT,
                              "UpdateWeightsFromDistributedReqInput")
@@ -382,7 +383,7 @@ def build_app(state: ServerState) -> web.Application:
         return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
     async def destroy_group(request: web.Request) -> web.Response:
-        from palaestra.rollout.engines.weight_group import destroy_weight_group, in_daemon_thread
+        from palaestra.rollout.engines.weight_group import destroy_weight_group
 
         body = sp.check_body(await read_json(request), sp.DESTROY_WEIGHTS_UPDATE_GROUP_REQ_INPUT,
                              "DestroyWeightsUpdateGroupReqInput")

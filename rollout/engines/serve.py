@@ -85,7 +85,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
-    import signal
+
+    from palaestra.asyncio_utils import wait_for_stop_signal
 
     async def main() -> None:
         import torch
@@ -102,11 +103,7 @@ def run(args: argparse.Namespace) -> int:
         server = await start_server(engine, host=args.host, port=args.port,
                                     model_name=args.served_model_name)
         print(f"palaestra serve: {args.model} on {server.url} ({engine.device})", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await wait_for_stop_signal()
         await server.close()
         await engine.close()
 

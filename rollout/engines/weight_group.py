@@ -15,9 +15,7 @@ for backend options changed name in torch 2.6, which `init_weight_group` looks u
 
 from __future__ import annotations
 
-import asyncio
 import inspect
-import threading
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -87,34 +85,6 @@ def init_weight_group(
     return group
 
 
-async def in_daemon_thread(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` in a daemon thread: unlike ``asyncio.to_thread``, a call that
-    blocks (a rendezvous nobody joins, a broadcast to a dead peer) does not hold up exit."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[Any] = loop.create_future()
-
-    def settle(ok: bool, value: Any) -> None:
-        if not future.done():
-            if ok:
-                future.set_result(value)
-            else:
-                future.set_exception(value)
-
-    def run() -> None:
-        try:
-            outcome = (True, fn(*args, **kwargs))
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            outcome = (False, exc)
-        try:
-            loop.call_soon_threadsafe(settle, *outcome)
-        except RuntimeError:
-            pass  # the loop is gone (the caller gave up and exited): nobody to tell
-
-    threading.Thread(target=run, name=f"palaestra-{getattr(fn, '__name__', 'call')}",
-                     daemon=True).start()
-    return await future
-
-
 def destroy_weight_group(group: Any) -> None:
     """Tear the group down (both sides should; a dead peer is not an error here)."""
     import torch.distributed as dist
@@ -158,7 +128,6 @@ __all__ = [
     "broadcast_tensors",
     "destroy_weight_group",
     "dtype_name",
-    "in_daemon_thread",
     "init_weight_group",
     "parse_dtype",
     "receive_tensors",

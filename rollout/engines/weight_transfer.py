@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from palaestra.asyncio_utils import in_daemon_thread
 from palaestra.errors import ConfigError, EngineError
-from palaestra.rollout.engines.weight_group import DEFAULT_GROUP_NAME, dtype_name, in_daemon_thread
+from palaestra.rollout.engines.weight_group import DEFAULT_GROUP_NAME, dtype_name
 
 if TYPE_CHECKING:
     import torch

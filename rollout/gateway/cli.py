@@ -41,9 +41,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
-    import signal
 
     from palaestra.agents import load_tokenizer
+    from palaestra.asyncio_utils import wait_for_stop_signal
     from palaestra.rollout.engines.base import SamplingParams
     from palaestra.rollout.engines.router import Router
     from palaestra.rollout.engines.sglang import SGLangClient
@@ -64,11 +64,7 @@ def run(args: argparse.Namespace) -> int:
         server = await serve_gateway(gateway, host=args.host, port=args.port,
                                      unix_path=args.unix_socket, buffer=buffer)
         print(f"palaestra gateway: {server.url} -> {', '.join(args.engine)}", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await wait_for_stop_signal()
         await server.close()
         await engine.close()
 
