@@ -9,7 +9,6 @@ the same HTTP API (weight-update groups included), so a one-node disaggregated r
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,9 +32,10 @@ def server_configs(engine: EngineSection, model_path: Path) -> list[SGLangServer
 
 def palaestra_serve_argv(cfg: SGLangServerConfig) -> list[str]:
     """``palaestra serve`` for one launch config (CUDA when the config has GPUs, else CPU)."""
-    return [sys.executable, "-m", "palaestra", "serve", "--model", cfg.model_path,
-            "--host", cfg.host, "--port", str(cfg.port),
-            "--device", "cuda" if cfg.gpu_ids else "cpu", *cfg.extra_args]
+    from palaestra.rollout.engines.serve import serve_argv
+
+    return serve_argv(cfg.model_path, port=cfg.port, host=cfg.host,
+                      device="cuda" if cfg.gpu_ids else "cpu", extra=cfg.extra_args)
 
 
 def launched_engine(engine: EngineSection, model_path: Path, log_dir: Path) -> Any:

@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -69,12 +68,12 @@ async def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     from palaestra.rollout.engines.local import LocalEngine
-    from palaestra.rollout.engines.sglang import ServerProcess, SGLangClient
+    from palaestra.rollout.engines.serve import serve_process
+    from palaestra.rollout.engines.sglang import SGLangClient
     from palaestra.rollout.engines.weight_transfer import (
         DiskWeightSender,
         DistributedWeightSender,
         bucketize,
-        free_port,
     )
 
     work = Path(tempfile.mkdtemp(prefix=f"wsync-{name}-", dir=args.workdir))
@@ -101,7 +100,7 @@ async def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     engine = LocalEngine(model_dir, device=device, dtype=dtype, max_running=8,
                          max_model_len=2048)
 
-    async def local_weight(n: str) -> Any:
+    async def local_weight(n: str, engine: Any = engine) -> Any:
         return engine.get_weight(n, 4)
 
     times = []
@@ -115,16 +114,13 @@ async def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
         await _check(local_weight, weights, dtype)
     row["in_process_s"] = statistics.median(times)
     await engine.close()
-    del engine
+    del engine, local_weight  # free its GPU memory before the server starts
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
-    port = free_port()
-    server = ServerProcess([sys.executable, "-m", "palaestra", "serve", "--model", str(model_dir),
-                            "--port", str(port), "--device", device.split(":")[0],
-                            "--dtype", str(dtype).removeprefix("torch."),
-                            "--max-running", "8", "--max-model-len", "2048"],
-                           f"http://127.0.0.1:{port}",
+    server = serve_process(model_dir, device=device.split(":")[0],
+                           extra=("--dtype", str(dtype).removeprefix("torch."),
+                                  "--max-running", "8", "--max-model-len", "2048"),
                            env=dict(os.environ, CUDA_VISIBLE_DEVICES=args.server_gpu),
                            log_path=work / "serve.log")
     client = SGLangClient(server.url, retries=0)

@@ -5,19 +5,25 @@
 then ``SGLangEngine(urls=["http://127.0.0.1:30000"])``, ``curl .../generate -d '{"input_ids":
 [1, 2, 3], "sampling_params": {"max_new_tokens": 8}}'`` or any OpenAI client with
 ``base_url="http://127.0.0.1:30000/v1"``. `start_server` runs the same server inside a running
-event loop (tests, notebooks). Nothing heavy is imported until the command runs.
+event loop (tests, notebooks); `serve_argv` / `serve_process` start it as a separate process
+(launched servers of a training run, tests, benchmarks). Nothing heavy is imported until the
+command runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from aiohttp import web
 
     from palaestra.rollout.engines.local import LocalEngine
+    from palaestra.rollout.engines.sglang import ServerProcess
 
 
 @dataclass
@@ -66,6 +72,28 @@ async def start_server(engine: LocalEngine, *, host: str = "127.0.0.1", port: in
     return RunningServer(url=f"http://{host}:{state.port}", runner=runner, app=app)
 
 
+def serve_argv(model: str | Path, *, port: int, device: str | None = None,
+               host: str = "127.0.0.1", extra: Sequence[str] = ()) -> list[str]:
+    """The command line of a ``palaestra serve`` process (this Python, ``-m palaestra``)."""
+    argv = [sys.executable, "-m", "palaestra", "serve", "--model", str(model), "--host", host,
+            "--port", str(port)]
+    if device is not None:
+        argv += ["--device", device]
+    return argv + list(extra)
+
+
+def serve_process(model: str | Path, *, device: str | None = None, extra: Sequence[str] = (),
+                  env: Mapping[str, str] | None = None,
+                  log_path: str | Path | None = None) -> ServerProcess:
+    """A ``palaestra serve`` process on a free loopback port (``await p.wait_ready(timeout)``)."""
+    from palaestra.rollout.engines.sglang import ServerProcess
+    from palaestra.rollout.engines.weight_transfer import free_port
+
+    port = free_port()
+    return ServerProcess(serve_argv(model, port=port, device=device, extra=extra),
+                         f"http://127.0.0.1:{port}", env=env, log_path=log_path)
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="Hugging Face model directory")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind")
@@ -111,4 +139,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["RunningServer", "configure", "run", "start_server"]
+__all__ = ["RunningServer", "configure", "run", "serve_argv", "serve_process", "start_server"]

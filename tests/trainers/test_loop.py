@@ -263,18 +263,16 @@ def test_grpo_against_a_separate_server_process(tmp_path, micro_model, yes_env, 
     import torch
     from safetensors.torch import load_file
 
-    from palaestra.rollout.engines.sglang import ServerProcess, SGLangClient
-    from palaestra.rollout.engines.weight_transfer import free_port
+    from palaestra.rollout.engines.serve import serve_process
+    from palaestra.rollout.engines.sglang import SGLangClient
     from palaestra.trainers.loop import train
 
     demos = tmp_path / "demos.jsonl"  # a short warm start: its policy reaches the server too
     demos.write_text("".join(json.dumps({"messages": [
         {"role": "user", "content": "Say yes or no."},
         {"role": "assistant", "content": "yes"}]}) + "\n" for _ in range(8)))
-    port = free_port()
-    server = ServerProcess([sys.executable, "-m", "palaestra", "serve", "--model", str(micro_model),
-                            "--port", str(port), "--device", "cpu", "--threads", "1"],
-                           f"http://127.0.0.1:{port}", log_path=tmp_path / "serve.log")
+    server = serve_process(micro_model, device="cpu", extra=("--threads", "1"),
+                           log_path=tmp_path / "serve.log")
     try:
         asyncio.run(server.wait_ready(120))
         body = _base(tmp_path, micro_model) + '''

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -71,17 +70,14 @@ def test_megatron_backend_in_the_loop(tmp_path):
 def test_disaggregated_trainer_and_server_over_nccl(tmp_path):
     from safetensors.torch import load_file
 
-    from palaestra.rollout.engines.sglang import ServerProcess, SGLangClient
-    from palaestra.rollout.engines.weight_transfer import free_port
+    from palaestra.rollout.engines.serve import serve_process
+    from palaestra.rollout.engines.sglang import SGLangClient
     from palaestra.tiny_model import build_model
     from palaestra.trainers.loop import train
 
     run = tmp_path / "run"
     model = build_model(run / "model", "tiny")
-    port = free_port()
-    server = ServerProcess([sys.executable, "-m", "palaestra", "serve", "--model", str(model),
-                            "--port", str(port), "--device", "cuda"], f"http://127.0.0.1:{port}",
-                           env=dict(os.environ, CUDA_VISIBLE_DEVICES="1"),
+    server = serve_process(model, device="cuda", env=dict(os.environ, CUDA_VISIBLE_DEVICES="1"),
                            log_path=tmp_path / "serve.log")
     try:
         asyncio.run(server.wait_ready(300))

@@ -11,7 +11,14 @@ import pytest
 
 from palaestra.errors import ConfigError, EngineError, MissingExtraError
 from palaestra.rollout.engines.base import EngineUnavailableError, SamplingParams
-from palaestra.rollout.engines.sglang import SGLangClient, SGLangEngine, SGLangServerConfig, gpu_groups
+from palaestra.rollout.engines.serve import serve_argv
+from palaestra.rollout.engines.sglang import (
+    SGLangClient,
+    SGLangEngine,
+    SGLangServerConfig,
+    gpu_groups,
+)
+from palaestra.rollout.engines.weight_transfer import free_port
 
 
 def test_sglang_command_line() -> None:
@@ -56,19 +63,12 @@ async def test_unreachable_server_is_a_clear_error() -> None:
         _ = SGLangEngine(f"http://127.0.0.1:{port}").weight_version
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_launch_a_server_and_generate(model_dir: str, tmp_path) -> None:
     """The launcher path for real: a `palaestra serve` process started, used, stopped."""
     def launcher(cfg: SGLangServerConfig) -> list[str]:
-        return [sys.executable, "-m", "palaestra", "serve", "--model", cfg.model_path,
-                "--port", str(cfg.port), "--threads", "1", "--device", "cpu"]
+        return serve_argv(cfg.model_path, port=cfg.port, device="cpu", extra=("--threads", "1"))
 
-    servers = [SGLangServerConfig(model_dir, port=_free_port())]
+    servers = [SGLangServerConfig(model_dir, port=free_port())]
     engine = SGLangEngine(servers=servers, launcher=launcher, log_dir=tmp_path,
                           startup_timeout_s=240, health_interval_s=0)
     async with engine:

@@ -10,7 +10,6 @@ same weights. NCCL is the same code with CUDA tensors (run on the device tool).
 from __future__ import annotations
 
 import asyncio
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,8 @@ from safetensors.torch import load_file
 from palaestra.errors import ConfigError, EngineError
 from palaestra.rollout.engines.base import SamplingParams
 from palaestra.rollout.engines.local import LocalEngine
-from palaestra.rollout.engines.sglang import ServerProcess, SGLangClient
+from palaestra.rollout.engines.serve import serve_process
+from palaestra.rollout.engines.sglang import SGLangClient
 from palaestra.rollout.engines.weight_transfer import (
     DiskWeightSender,
     DistributedWeightSender,
@@ -31,17 +31,11 @@ from palaestra.rollout.engines.weight_transfer import (
 PROMPT = [3, 17, 29, 41, 5, 8]
 
 
-def _serve(model_dir: str, log: Path) -> ServerProcess:
-    port = free_port()
-    argv = [sys.executable, "-m", "palaestra", "serve", "--model", model_dir, "--port", str(port),
-            "--device", "cpu", "--threads", "1", "--max-running", "8"]
-    return ServerProcess(argv, f"http://127.0.0.1:{port}", log_path=log)
-
-
 @pytest.fixture(scope="module")
 def servers(model_dir: str, tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("serve-logs")
-    procs = [_serve(model_dir, logs / f"s{i}.log") for i in range(2)]
+    procs = [serve_process(model_dir, device="cpu", extra=("--threads", "1", "--max-running", "8"),
+                           log_path=logs / f"s{i}.log") for i in range(2)]
     try:
         async def ready() -> None:
             await asyncio.gather(*(p.wait_ready(120) for p in procs))
