@@ -29,7 +29,6 @@ import os
 import platform
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -154,9 +153,10 @@ async def component_costs(model: str, episodes: int = 200) -> dict[str, float]:
 
 
 def _serve(model: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    from palaestra.rollout.engines.serve import serve_argv
+
     proc = subprocess.Popen(
-        [sys.executable, "-m", "palaestra", "serve", "--model", model, "--port", "0",
-         "--threads", "1", "--max-running", "64"],
+        serve_argv(model, port=0, extra=("--threads", "1", "--max-running", "64")),
         stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     deadline = time.monotonic() + 300

@@ -9,7 +9,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,12 +20,12 @@ pytestmark = pytest.mark.timeout(600)
 from palaestra.agents import AgentSpec
 from palaestra.rollout import DataSource, EngineSpec, RolloutConfig, RolloutManager, WorkerConfig
 from palaestra.rollout.engines.base import SamplingParams
+from palaestra.rollout.engines.serve import serve_argv
 
 
 def _serve(model_dir: str, log: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "palaestra", "serve", "--model", model_dir, "--port", "0",
-         "--threads", "1", "--max-running", "64"],
+        serve_argv(model_dir, port=0, extra=("--threads", "1", "--max-running", "64")),
         stdout=log.open("w"), stderr=subprocess.STDOUT,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
