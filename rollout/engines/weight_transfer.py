@@ -163,19 +163,8 @@ class DistributedWeightSender:
             timeout_s=self.timeout_s))
         try:
             # a server that cannot join answers at once: fail then, not at the store's timeout
-            pending: set[asyncio.Future[Any]] = {host, *joins}
-            while pending:
-                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    if task is host:
-                        self.group = task.result()
-                    else:
-                        client = self.clients[joins.index(task)]  # type: ignore[arg-type]
-                        _check(task.result(), "/init_weights_update_group", client.url)
+            self.group = await self._with_answers(host, joins, "/init_weights_update_group")
         except (RuntimeError, ValueError, OSError, EngineError) as exc:
-            for task in joins:
-                task.cancel()
-            host.add_done_callback(_discard_result)
             raise EngineError(
                 f"the weight-update group at {self.master_address}:{port} did not form: {exc}; "
                 "check that every server can reach master_address") from exc
@@ -204,7 +193,11 @@ class DistributedWeightSender:
                 version=version, timeout_s=self.timeout_s)) for c in self.clients]
             sending = asyncio.ensure_future(in_daemon_thread(broadcast_tensors, self.group,
                                                              tensors))
-            await self._settle(sending, requests)
+            try:
+                await self._with_answers(sending, requests, "/update_weights_from_distributed")
+            except BaseException:
+                await self._abandon_group()  # the broadcast may be stuck waiting for that server
+                raise
             nbuckets += 1
             ntensors += len(tensors)
             nbytes += sum(t.numel() * t.element_size() for t in tensors)
@@ -213,24 +206,25 @@ class DistributedWeightSender:
         _synchronize()
         return TransferStats(time.perf_counter() - start, nbytes, ntensors, nbuckets)
 
-    async def _settle(self, sending: asyncio.Future[Any], requests: list[asyncio.Task[Any]]
-                      ) -> None:
-        """Wait for the broadcast and every server's answer; a failed answer ends the group."""
-        pending: set[asyncio.Future[Any]] = {sending, *requests}
+    async def _with_answers(self, own: asyncio.Future[Any], requests: list[asyncio.Task[Any]],
+                            what: str) -> Any:
+        """``own``'s result once it and every server's answer to ``what`` are in; the first
+        failure (a refusal, an exception) raises at once, cancelling the rest."""
+        pending: set[asyncio.Future[Any]] = {own, *requests}
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    if task is not sending:
-                        client = self.clients[requests.index(task)]  # type: ignore[arg-type]
-                        _check(task.result(), "/update_weights_from_distributed", client.url)
+                    if task is own:
+                        task.result()  # raises what the own side raised
                     else:
-                        task.result()
+                        client = self.clients[requests.index(task)]  # type: ignore[arg-type]
+                        _check(task.result(), what, client.url)
+            return own.result()
         except BaseException:
             for task in requests:
                 task.cancel()
-            sending.add_done_callback(_discard_result)
-            await self._abandon_group()  # the broadcast may be stuck waiting for that server
+            own.add_done_callback(_discard_result)  # may stay blocked in its daemon thread
             raise
 
     async def _abandon_group(self) -> None:
