@@ -294,6 +294,14 @@ def build_app(state: ServerState) -> web.Application:
         state.weight_label = None
         return True, f"Succeeded to update model weights. Weight version {engine.weight_version}.", paused
 
+    async def _load_tensors(body: dict[str, Any], tensors: Any) -> web.Response:
+        """Swap received (name, tensor) pairs in between two steps; SGLang's success answer."""
+        async def load(version: int | None) -> None:
+            await engine.update_weights(tensors, version=version)
+
+        ok, message, _ = await _update(body, load)
+        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+
     async def update_from_disk(request: web.Request) -> web.Response:
         body = sp.check_body(await read_json(request), sp.UPDATE_WEIGHT_FROM_DISK_REQ_INPUT,
                              "UpdateWeightFromDiskReqInput")
@@ -321,12 +329,7 @@ def build_app(state: ServerState) -> web.Application:
                 "base64 safetensors payloads (load_format null or 'safetensors')"
             )
         tensors = decode_named_tensors(payloads[0])  # tp rank 0: this server is one rank
-
-        async def load(version: int | None) -> None:
-            await engine.update_weights(tensors, version=version)
-
-        ok, message, _ = await _update(body, load)
-        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+        return await _load_tensors(body, tensors)
 
     async def init_group(request: web.Request) -> web.Response:
         from palaestra.rollout.engines.weight_group import init_weight_group
@@ -375,12 +378,7 @@ def build_app(state: ServerState) -> web.Application:
         # receive first (the trainer is broadcasting now), then swap them in between two steps
         tensors = await in_daemon_thread(receive_tensors, group, body["names"], body["dtypes"],
                                          body["shapes"], device)
-
-        async def load(version: int | None) -> None:
-            await engine.update_weights(tensors, version=version)
-
-        ok, message, _ = await _update(body, load)
-        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+        return await _load_tensors(body, tensors)
 
     async def destroy_group(request: web.Request) -> web.Response:
         from palaestra.rollout.engines.weight_group import destroy_weight_group
