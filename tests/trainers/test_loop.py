@@ -84,6 +84,26 @@ tensorboard = false
 '''
 
 
+def _grpo_on_long_env(tmp_path: Path, model_dir: Path, steps: int, engine: str | None = None,
+                      extra: str = "") -> str:
+    """A GRPO run of ``steps`` on tests/Long-v0; ``engine`` replaces the [engine] section."""
+    body = _base(tmp_path, model_dir) + f'''
+[env]
+id = "yes_env:tests/Long-v0"
+[data]
+num_tasks = 64
+[trainer]
+steps = {steps}
+[trainer.loss]
+preset = "grpo"
+''' + extra
+    if engine is not None:
+        local = '[engine]\ndevice = "cpu"\nmax_running = 64'
+        assert local in body  # the section _base writes, replaced whole
+        body = body.replace(local, "[engine]\n" + engine)
+    return body
+
+
 @pytest.fixture(scope="module")
 def micro_model(tmp_path_factory):
     from palaestra.tiny_model import build_model
@@ -111,16 +131,7 @@ def test_three_grpo_steps_change_weights_and_bump_engine_version(tmp_path, micro
 
     from palaestra.trainers.loop import train
 
-    body = _base(tmp_path, micro_model) + '''
-[env]
-id = "yes_env:tests/Long-v0"
-[data]
-num_tasks = 64
-[trainer]
-steps = 3
-[trainer.loss]
-preset = "grpo"
-'''
+    body = _grpo_on_long_env(tmp_path, micro_model, steps=3)
     overrides = ["--rollout.batch_size", "4", "--rollout.group_size", "4", "--eval.num_tasks", "4",
                  "--trainer.torch.lr", "0.05"]
     cfg = load_config(TrainConfig, _write_config(tmp_path, body), overrides)
@@ -275,26 +286,15 @@ def test_grpo_against_a_separate_server_process(tmp_path, micro_model, yes_env, 
                            log_path=tmp_path / "serve.log")
     try:
         asyncio.run(server.wait_ready(120))
-        body = _base(tmp_path, micro_model) + '''
-[env]
-id = "yes_env:tests/Long-v0"
-[data]
-num_tasks = 64
-[trainer]
-steps = 2
-[trainer.loss]
-preset = "grpo"
-[warmup]
-steps = 2
-batch_size = 4
-demonstrations = "{demos}"
-'''.replace("{demos}", str(demos))
-        body = body.replace('[engine]\ndevice = "cpu"\nmax_running = 64', f'''[engine]
-kind = "sglang"
+        body = _grpo_on_long_env(tmp_path, micro_model, steps=2, engine=f'''kind = "sglang"
 urls = ["{server.url}"]
 weight_sync = "{method}"
 sync_backend = "gloo"
-sync_bucket_mb = 1''')
+sync_bucket_mb = 1''', extra=f'''[warmup]
+steps = 2
+batch_size = 4
+demonstrations = "{demos}"
+''')
         overrides = ["--rollout.batch_size", "4", "--rollout.group_size", "2",
                      "--eval.num_tasks", "4", "--trainer.torch.lr", "0.05"]
         train(load_config(TrainConfig, _write_config(tmp_path, body), overrides))
@@ -331,18 +331,7 @@ def test_the_run_launches_its_own_server_and_stops_it(tmp_path, micro_model, yes
 
     from palaestra.trainers.loop import train
 
-    body = _base(tmp_path, micro_model) + '''
-[env]
-id = "yes_env:tests/Long-v0"
-[data]
-num_tasks = 64
-[trainer]
-steps = 2
-[trainer.loss]
-preset = "grpo"
-'''
-    body = body.replace('[engine]\ndevice = "cpu"\nmax_running = 64', '''[engine]
-kind = "sglang"
+    body = _grpo_on_long_env(tmp_path, micro_model, steps=2, engine='''kind = "sglang"
 launch = "palaestra"
 launch_args = ["--threads", "1"]
 weight_sync = "distributed"
