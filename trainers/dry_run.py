@@ -47,10 +47,11 @@ GIB = 1024**3
 _QWEN2 = {"model_type": "qwen2", "vocab_size": 151936, "rope_theta": 1e6,
           "max_position_embeddings": 32768, "hidden_act": "silu"}
 _QWEN3 = {"model_type": "qwen3", "vocab_size": 151936, "rope_theta": 1e6, "head_dim": 128,
-          "max_position_embeddings": 40960, "hidden_act": "silu"}
+          "max_position_embeddings": 40960, "hidden_act": "silu", "rms_norm_eps": 1e-6}
 
 #: Hugging Face config.json fields of common policies (public model cards), keyed by lower-case
-#: name; matched against ``model.path`` when it holds no config.json yet.
+#: name; matched against ``model.path`` when it holds no config.json yet. The GPU benchmarks build
+#: their random-init models from these too.
 NAMED_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": {**_QWEN2, "hidden_size": 896, "intermediate_size": 4864,
                      "num_hidden_layers": 24, "num_attention_heads": 14,

@@ -42,10 +42,7 @@ from pathlib import Path
 from typing import Any
 
 PEAK_BW_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0}
-QWEN3_SHAPES = {  # hidden, ffn, layers, heads, kv heads (Qwen3 model cards)
-    "qwen3-0.6b": (1024, 3072, 28, 16, 8),
-    "qwen3-1.7b": (2048, 6144, 28, 16, 8),
-}
+QWEN3_SHAPES = ("qwen3-0.6b", "qwen3-1.7b")  # model cards in trainers.dry_run.NAMED_SHAPES
 
 
 def _prompts(n: int, lo: int, hi: int, seed: int, vocab: int) -> list[list[int]]:
@@ -236,12 +233,10 @@ def gpu_model(shape: str) -> Any:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    h, ffn, layers, heads, kv = QWEN3_SHAPES[shape]
-    config = Qwen3Config(vocab_size=151936, hidden_size=h, intermediate_size=ffn,
-                         num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv, head_dim=128, max_position_embeddings=40960,
-                         rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                         eos_token_id=151645, pad_token_id=151643)
+    from palaestra.trainers.dry_run import NAMED_SHAPES
+
+    card = {k: v for k, v in NAMED_SHAPES[shape].items() if k != "model_type"}
+    config = Qwen3Config(**card, eos_token_id=151645, pad_token_id=151643)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = Qwen3ForCausalLM(config).to(torch.bfloat16).eval()

@@ -29,20 +29,14 @@ import time
 from typing import Any
 
 DATASHEET_TFLOPS = 989.0
-QWEN3_COMMON = {"model_type": "qwen3", "vocab_size": 151936, "rms_norm_eps": 1e-6,
-                    "rope_theta": 1000000.0, "max_position_embeddings": 40960, "head_dim": 128,
-                    "tie_word_embeddings": True, "hidden_act": "silu"}
-SHAPES = {  # hidden, ffn, layers, heads, kv heads (Qwen3 model cards)
-    "0.6b": (1024, 3072, 28, 16, 8),
-    "1.7b": (2048, 6144, 28, 16, 8),
-    "4b": (2560, 9728, 36, 32, 8),
-}
+SHAPES = ("0.6b", "1.7b", "4b")  # Qwen3 model cards, from trainers.dry_run.NAMED_SHAPES
 
 
 def qwen3_config(name: str) -> dict[str, Any]:
-    h, ffn, layers, heads, kv = SHAPES[name]
-    return dict(QWEN3_COMMON, hidden_size=h, intermediate_size=ffn, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv)
+    """The HF config fields of the Qwen3 model card ``name`` ("1.7b")."""
+    from palaestra.trainers.dry_run import NAMED_SHAPES
+
+    return dict(NAMED_SHAPES[f"qwen3-{name}"])
 
 
 def _sync() -> None:
