@@ -34,3 +34,27 @@ async def test_the_loop_keeps_running_while_the_call_blocks() -> None:
     assert not call.done()  # blocked in its thread, not in the event loop
     release.set()
     assert await call is True
+
+
+def test_wait_for_stop_signal_returns_on_sigterm() -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import asyncio, sys\n"
+            "from palaestra.asyncio_utils import wait_for_stop_signal\n"
+            "async def main():\n"
+            "    print('ready', flush=True)\n"
+            "    await wait_for_stop_signal()\n"
+            "    print('stopped', flush=True)\n"
+            "asyncio.run(main())\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(0.2)  # the handlers are installed right after the print
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and out.strip() == "stopped"

@@ -113,6 +113,8 @@ async def test_broadcast_to_two_servers(servers: list[str], model_dir: str,
 async def test_nccl_on_a_cpu_server_is_refused_clearly(servers: list[str]) -> None:
     client = SGLangClient(servers[0], retries=0)
     try:
+        with pytest.raises(EngineError, match="Hugging Face names"):
+            await client.get_weights_by_name("layers.0.no_such_weight")
         with pytest.raises(EngineError, match="gloo"):
             await client.init_weights_update_group(
                 master_address="127.0.0.1", master_port=free_port(), rank_offset=1,
