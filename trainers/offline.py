@@ -95,6 +95,29 @@ def _batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
     return out
 
 
+def offline_backend(cfg: TrainConfig, model_path: Path, torch_cfg: Any, *,
+                    ref_model: bool = False) -> Any:
+    """The backend of an offline run (``algorithm = "sft"/"dpo"``): Megatron-core when
+    ``trainer.backend = "megatron"`` (its own ``trainer.megatron`` settings), else PyTorch."""
+    if cfg.trainer.backend != "megatron" or cfg.algorithm == "rl":
+        return _torch_backend(model_path, torch_cfg)
+    from transformers import AutoConfig
+
+    from palaestra.trainers.megatron import MegatronBackend
+
+    changes: dict[str, Any] = {"logits_temperature": 1.0, "seed": cfg.seed, "ref_model": ref_model}
+    if cfg.trainer.megatron.lr_schedule != "constant":
+        changes["total_steps"] = cfg.trainer.steps
+    return MegatronBackend(AutoConfig.from_pretrained(model_path),
+                           cfg.trainer.megatron.model_copy(update=changes), model_path=model_path)
+
+
+def _torch_backend(model_path: Path, torch_cfg: Any) -> Any:
+    from palaestra.trainers.torch_backend import TorchBackend
+
+    return TorchBackend(model_path, torch_cfg)
+
+
 def sft_steps(
     cfg: TrainConfig,
     run: RunDir,
@@ -111,7 +134,6 @@ def sft_steps(
     from palaestra.trainers.algorithms import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.loop import backend_config
-    from palaestra.trainers.torch_backend import TorchBackend
 
     if not samples:
         raise ConfigError("no SFT examples: the demonstrations/dataset are empty")
@@ -121,7 +143,9 @@ def sft_steps(
         update.update(lr_schedule=schedule, total_steps=steps, min_lr_ratio=0.1,
                       warmup_steps=min(cfg.warmup.lr_warmup_steps, steps))
     torch_cfg = backend_config(cfg, lr=lr, steps=steps).model_copy(update=update)
-    backend = TorchBackend(model_path, torch_cfg)
+    # the RL warm start always runs on the PyTorch backend; `algorithm = "sft"` follows
+    # trainer.backend
+    backend = offline_backend(cfg, model_path, torch_cfg)
     loss_cfg = LossConfig(preset="sft")
     start = 0
     latest = run.latest_checkpoint(phase) if cfg.checkpoint.resume else None
@@ -165,7 +189,6 @@ def dpo_steps(cfg: TrainConfig, run: RunDir, model_path: Path, spec: Any) -> Any
     from palaestra.trainers.algorithms import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.loop import backend_config
-    from palaestra.trainers.torch_backend import TorchBackend
 
     rows = _load_jsonl(str(cfg.offline.dataset))
     chosen, rejected = [], []
@@ -179,7 +202,7 @@ def dpo_steps(cfg: TrainConfig, run: RunDir, model_path: Path, spec: Any) -> Any
     steps = cfg.trainer.steps
     torch_cfg = backend_config(cfg, steps=steps).model_copy(
         update={"logits_temperature": 1.0, "ref_model": True})
-    backend = TorchBackend(model_path, torch_cfg)
+    backend = offline_backend(cfg, model_path, torch_cfg, ref_model=True)
     loss_cfg = cfg.trainer.loss if cfg.trainer.loss.objective == "dpo" else LossConfig(preset="dpo")
     start = 0
     latest = run.latest_checkpoint("dpo") if cfg.checkpoint.resume else None

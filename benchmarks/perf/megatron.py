@@ -168,6 +168,8 @@ def bench_model(name: str, args: argparse.Namespace, peak: float) -> dict[str, A
         row["megatron"] = rates(_timed(lambda: backend.train_step(batch, sft), args.warmup,
                                        args.steps))
         row["megatron"]["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if args.profile:
+            row["megatron_profile"] = kernel_profile(lambda: backend.train_step(batch, sft))
         sync_times = [backend.sync_weights(copy, bucket_bytes=args.bucket_mb << 20).seconds
                       for _ in range(args.sync_reps)]
         gather_times = [backend.sync_weights(lambda b: None, bucket_bytes=args.bucket_mb << 20
@@ -192,6 +194,47 @@ def bench_model(name: str, args: argparse.Namespace, peak: float) -> dict[str, A
     gc.collect()
     torch.cuda.empty_cache()
     return row
+
+
+KERNEL_KINDS = (  # first match wins; names of CUDA kernels as the profiler reports them
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul")),
+    ("optimizer", ("multi_tensor", "adam")),
+    ("softmax/logprob", ("softmax", "logsumexp", "cross_entropy", "nll")),
+    ("norm", ("norm",)),
+    ("copy/cast", ("copy", "convert", "cast", "memcpy", "memset", "fill")),
+    ("communication", ("nccl",)),
+)
+
+
+def kernel_profile(step: Any, top: int = 15) -> dict[str, Any]:
+    """GPU time of one ``step()`` by kernel kind (torch.profiler), and the costliest kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync()
+    kernels: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time / 1e6
+    by_kind: dict[str, float] = {}
+    for name, seconds in kernels.items():
+        low = name.lower()
+        kind = next((k for k, keys in KERNEL_KINDS if any(x in low for x in keys)),
+                     "elementwise/other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + seconds
+    total = sum(by_kind.values())
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+    print(f"kernel time of one step: {total:.3f} s")
+    for kind, seconds in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:<20}{seconds:>8.3f} s {seconds / total:>6.1%}")
+    for name, seconds in ranked:
+        print(f"    {seconds:>8.4f} s  {name[:110]}")
+    return {"total_kernel_s": total, "by_kind_s": by_kind,
+            "top_kernels": [{"name": n, "seconds": s} for n, s in ranked]}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -235,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="megatron's compiled SwiGLU (MegatronBackendConfig.fused_swiglu)")
     parser.add_argument("--micro-batch-tokens", type=int, default=None,
                         help="Megatron micro-batch token budget (default: one sequence)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile one Megatron step: GPU time by kernel kind")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-megatron", action="store_true")
     parser.add_argument("--json", help="write the results here")

@@ -51,8 +51,11 @@ def test_megatron_backend_in_the_loop(tmp_path):
         "--trainer.megatron.lr", "1e-4", "--trainer.megatron.dtype", "bfloat16"])
     train(cfg)
     rl = _rl_records(run)
-    assert [r["version"] for r in rl] == [0, 1, 2]
-    assert all(r["sync/seconds"] > 0 and r["train/num_loss_tokens"] > 0 for r in rl)
+    summary = [{k: r.get(k) for k in ("version", "sync/seconds", "train/num_loss_tokens",
+                                      "train/loss", "train/grad_norm")} for r in rl]
+    assert [r["version"] for r in rl] == [0, 1, 2], summary
+    assert all(r.get("sync/seconds", 0) > 0 and r.get("train/num_loss_tokens", 0) > 0
+               for r in rl), summary
     before = load_file(str(run / "model" / "model.safetensors"))
     after: dict[str, torch.Tensor] = {}
     for shard in sorted((run / "final-model").glob("*.safetensors")):
@@ -111,3 +114,27 @@ def test_disaggregated_trainer_and_server_over_nccl(tmp_path):
                                "time/weight_sync_s", "sync/seconds", "sync/gbytes")} for r in rl]})
     finally:
         server.stop()
+
+
+def test_megatron_dpo_run(tmp_path):
+    """``algorithm = "dpo"`` with ``trainer.backend = "megatron"``: the reference policy is the
+    backend's pinned-host copy of the initial weights."""
+    pytest.importorskip("megatron.core")
+    from palaestra.tiny_model import build_model
+    from palaestra.trainers.loop import train
+    from tests.trainers.test_loop import _dpo_rows, dpo_config
+
+    model = build_model(tmp_path / "model", "micro")
+    path = tmp_path / "dpo.toml"
+    path.write_text(dpo_config(tmp_path, model, _dpo_rows(tmp_path / "pairs.jsonl")))
+    cfg = load_config(TrainConfig, path, ["--trainer.backend", "megatron",
+                                          "--trainer.megatron.lr", "2e-3",
+                                          "--trainer.megatron.dtype", "float32"])
+    train(cfg)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+               .splitlines()]
+    dpo = [r for r in records if r["phase"] == "dpo"]
+    summary = [(r["loss"], r.get("train/dpo/reward_margin")) for r in dpo]
+    _report("loop_megatron_dpo", {"loss_and_margin": summary})
+    assert len(dpo) == 6 and dpo[-1]["loss"] < dpo[0]["loss"], summary
+    assert (tmp_path / "run" / "final-model" / "model.safetensors.index.json").exists()

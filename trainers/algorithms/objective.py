@@ -16,6 +16,8 @@ when ``tis_cap`` is set, ``KL_t`` from ``kl.kl_estimate`` when ``kl_mode == "los
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from palaestra.errors import ConfigError
@@ -146,6 +148,39 @@ def dpo_loss_micro(
     return loss, metrics
 
 
+PAIR_WEIGHT = "pair_weight"
+"""Micro-batch sequence field: each DPO pair's share of the batch loss (on both members)."""
+
+
+def sequence_fields(num_sequences: int, cfg: LossConfig, *, critic: bool = False
+                    ) -> dict[str, torch.Tensor]:
+    """Per-sequence fields the objective reads from micro-batches (DPO: `PAIR_WEIGHT`)."""
+    if cfg.objective != "dpo" or critic:
+        return {}
+    return {PAIR_WEIGHT: torch.full((num_sequences,), 2.0 / num_sequences)}
+
+
+def check_train_batch(batch: Any, cfg: LossConfig, *, critic: bool = False) -> None:
+    """Raise a ConfigError naming what ``batch`` (a TrainBatch) lacks for this objective."""
+    if critic:
+        need = ["returns", "old_values"]
+    elif cfg.objective == "rl":
+        need = ["advantages"]
+    elif cfg.objective == "dpo":
+        if not batch.paired:
+            raise ConfigError("objective='dpo' needs a paired batch (TrainBatch.from_pairs)")
+        need = ["ref_logprobs"]
+    else:
+        need = []
+    missing = [n for n in need if getattr(batch, n) is None]
+    if missing:
+        raise ConfigError(
+            f"train_step({'critic' if critic else cfg.objective}) needs {missing} on the batch; "
+            "compute_advantages() fills advantages (and returns/old_values for GAE), "
+            "forward_logprobs(batch, ref=True) the reference logprobs"
+        )
+
+
 def value_loss_micro(
     cfg: LossConfig,
     *,
@@ -166,4 +201,13 @@ def value_loss_micro(
     return loss, metrics
 
 
-__all__ = ["dpo_loss_micro", "rl_loss", "sequence_sums", "sft_loss_micro", "value_loss_micro"]
+__all__ = [
+    "PAIR_WEIGHT",
+    "check_train_batch",
+    "dpo_loss_micro",
+    "rl_loss",
+    "sequence_fields",
+    "sequence_sums",
+    "sft_loss_micro",
+    "value_loss_micro",
+]

@@ -2,16 +2,18 @@
 
 Same interface as the PyTorch backend: ``forward_logprobs(batch)``, ``train_step(batch,
 loss_cfg)``, ``state_dict_for_engines()``, ``save/load`` and ``export_hf``. A model is built from
-an HF config (Qwen2, Qwen3, Llama, Qwen3-MoE), optionally loaded from HF weights, wrapped in
-megatron's DDP with the (distributed) mixed-precision optimizer, and trained with megatron's
-forward-backward schedule (so pipeline parallelism works) on packed micro-batches cut by token
-count. Losses are the shared pure functions (see `losses`).
+an HF config (Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3), optionally loaded from HF weights,
+wrapped in megatron's DDP with the (distributed) mixed-precision optimizer, and trained with
+megatron's forward-backward schedule (so pipeline parallelism works) on packed micro-batches cut by
+token count. Losses are the shared pure functions (see `losses`): RL, SFT and DPO for a policy,
+the clipped value loss for a critic (``critic=True``: a value head instead of the LM head).
 
 Launch: one process per GPU (``torchrun --nproc-per-node N``); a single GPU needs no launcher.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -27,7 +29,12 @@ from palaestra.trainers.megatron.config import MegatronBackendConfig
 from palaestra.trainers.megatron.logprobs import shifted_token_logprobs
 from palaestra.trainers.megatron.parallel import ParallelConfig, init_parallel
 from palaestra.trainers.megatron.weight_sync import Bucket, SyncStats, iter_hf_buckets, sync_weights
-from palaestra.trainers.megatron.weights import iter_hf_weights, load_hf_weights, unwrap
+from palaestra.trainers.megatron.weights import (
+    iter_hf_weights,
+    load_hf_weights,
+    unwrap,
+    weight_tensors,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -78,6 +85,8 @@ class MegatronBackend:
         self.hf_config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
         self.arch: ModelArch = arch_from_hf_config(self.hf_config)
         c = self.cfg
+        if c.critic:
+            self.arch = dataclasses.replace(self.arch, value_head=True)
         self.parallel = ParallelConfig(tp=c.tp, pp=c.pp, ep=c.ep, expert_tp=c.expert_tp,
                                        sequence_parallel=c.sequence_parallel)
         te = transformer_engine_available()
@@ -87,6 +96,9 @@ class MegatronBackend:
         if c.sequence_parallel and not self.use_te:
             raise ConfigError("sequence_parallel needs transformer-engine (megatron's torch "
                               "RMSNorm does not support it); install it or unset it")
+        if self.arch.mla is not None and c.tp > 1:
+            raise ConfigError("multi-latent attention (DeepSeek-V3) is built with tp = 1 for now "
+                              "(its down-projections shard differently); use ep and dp instead")
         if self.arch.moe is not None and c.tp > 1 and not c.sequence_parallel:
             raise ConfigError("megatron-core trains MoE with tp > 1 only with "
                               "sequence_parallel=True (which needs transformer-engine); "
@@ -171,10 +183,19 @@ class MegatronBackend:
             return list(range(batch.num_sequences))
         return split_across_ranks(batch.lengths, size, units=batch.units())[rank]
 
-    def _logprobs(self, logits: torch.Tensor, mb: MicroBatch, with_entropy: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _token_stats(self, output: torch.Tensor, mb: MicroBatch, with_entropy: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logprobs, entropy) of a policy's logits, or (values, None) of a critic's output."""
+        import torch
         from megatron.core import parallel_state as ps
 
+        if self.cfg.critic:
+            # the value of token t is read before it: the output one position earlier, 0 at
+            # each sequence's first token (as TorchBackend's shift_values)
+            values = output[..., 0].float()
+            shifted = torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
+            return torch.where(mb.position_ids > 0, shifted, 0.0), None
+        logits = output
         if self.cfg.logits_temperature != 1.0:
             logits = logits / self.cfg.logits_temperature
         tp = ps.get_tensor_model_parallel_world_size()
@@ -246,7 +267,7 @@ class MegatronBackend:
                                      subset=local)
 
             def collect(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
-                logp, ent = self._logprobs(logits, mb, with_entropy=with_entropy)
+                logp, ent = self._token_stats(logits, mb, with_entropy=with_entropy)
                 ents = mb.unpack(ent) if ent is not None else [None] * len(mb.indices)
                 per_seq = {i: (lp.float().cpu(), None if e is None else e.float().cpu())
                            for i, lp, e in zip(mb.indices, mb.unpack(logp), ents)}
@@ -271,7 +292,7 @@ class MegatronBackend:
 
     # reference policy: weights swapped in from pinned host memory ------------------------------
     def _params(self) -> list[torch.Tensor]:
-        return [p for _, p in sorted(unwrap(self.model).named_parameters())]
+        return [p for _, p in sorted(weight_tensors(unwrap(self.model)))]
 
     def _host_copy(self) -> list[torch.Tensor]:
         import torch
@@ -317,14 +338,28 @@ class MegatronBackend:
         data-parallel groups; every rank gets the whole result. ``ref=True`` evaluates the
         reference policy (needs ``ref_model=True``).
         """
+        self._refuse_if_critic("forward_logprobs", "forward_values()")
         if ref:
             return self._ref_forward(batch, with_entropy=False)[0]
         return self._forward_all(batch, with_entropy=False)[0]
+
+    def forward_values(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """A critic's values ``V_t`` (estimated before token ``t``), float32 on CPU, one per
+        sequence (0 at position 0), as TorchBackend.forward_values."""
+        if not self.cfg.critic:
+            raise ConfigError("forward_values() needs MegatronBackendConfig(critic=True)")
+        return self._forward_all(batch, with_entropy=False)[0]
+
+    def _refuse_if_critic(self, what: str, instead: str) -> None:
+        if self.cfg.critic:
+            raise ConfigError(f"this backend is a critic (a value head, no LM head): {what} "
+                              f"does not apply; use {instead}")
 
     def forward_logprobs_with_entropy(
         self, batch: TrainBatch, *, ref: bool = False
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Token logprobs and the entropy of each next-token distribution (same alignment)."""
+        self._refuse_if_critic("forward_logprobs_with_entropy", "forward_values()")
         logps, ents = (self._ref_forward(batch, with_entropy=True) if ref
                        else self._forward_all(batch, with_entropy=True))
         assert ents is not None
@@ -340,29 +375,38 @@ class MegatronBackend:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
+        from palaestra.trainers.algorithms.objective import check_train_batch, sequence_fields
         from palaestra.trainers.batching import TOKEN_FIELDS, make_micro_batches
         from palaestra.trainers.torch_backend.optim import lr_multiplier
 
         start = time.perf_counter()
-        if (loss_cfg.objective == "rl" and loss_cfg.needs_ref_logprobs
-                and loss_cfg.kl_mode == "loss" and batch.ref_logprobs is None
+        critic = self.cfg.critic
+        if (not critic and loss_cfg.needs_ref_logprobs and batch.ref_logprobs is None
+                and (loss_cfg.objective == "dpo" or loss_cfg.kl_mode == "loss")
                 and self._ref_weights is not None):
             batch = batch.replace(ref_logprobs=self.forward_logprobs(batch, ref=True))
+        check_train_batch(batch, loss_cfg, critic=critic)
         fields = {n: getattr(batch, n) for n in TOKEN_FIELDS if getattr(batch, n) is not None}
         fields[losses.WEIGHTS] = losses.batch_token_weights(batch, loss_cfg)
         local = self._local_indices(batch)
-        mbs = make_micro_batches(batch, self.cfg.max_tokens_per_micro_batch, pack=True,
-                                 fields=fields, subset=local) if local else []
+        mbs = make_micro_batches(
+            batch, self.cfg.max_tokens_per_micro_batch, pack=True, fields=fields,
+            seq_fields=sequence_fields(batch.num_sequences, loss_cfg, critic=critic),
+            subset=local,
+        ) if local else []
         if not mbs:
             raise ConfigError("this data-parallel rank got no sequences; use a bigger batch")
         # the schedule divides each micro-batch loss by their number and DDP averages over DP;
         # the shared losses are already normalised over the whole batch, so undo both.
         scale = float(len(mbs) * self._dp[1])
-        with_entropy = losses.needs_entropy(loss_cfg)
+        with_entropy = losses.needs_entropy(loss_cfg) and not critic
 
-        def loss_fn(mb: MicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, Any]:
-            logp, entropy = self._logprobs(logits, mb, with_entropy)
-            loss, metrics = losses.micro_batch_loss(loss_cfg, mb, logp, entropy)
+        def loss_fn(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            stats, entropy = self._token_stats(output, mb, with_entropy)
+            if critic:
+                loss, metrics = losses.critic_loss(loss_cfg, mb, stats)
+            else:
+                loss, metrics = losses.micro_batch_loss(loss_cfg, mb, stats, entropy)
             return loss * scale, {k: v.detach().float() for k, v in metrics.items()}
 
         for group in self.optimizer.param_groups:
@@ -404,6 +448,7 @@ class MegatronBackend:
         Tied models list ``lm_head.weight`` too, sharing the embedding's tensor. Collective over
         TP/EP; with PP each stage returns its own layers. ``dtype`` casts (e.g. bf16 for SGLang).
         """
+        self._refuse_if_critic("engine weights", "export_hf() to save the value model")
         out: dict[str, torch.Tensor] = {}
         for name, tensor in iter_hf_weights(self.model, self.arch):
             out[name] = tensor.detach().to(device=device, dtype=dtype or tensor.dtype, copy=True)
@@ -420,12 +465,14 @@ class MegatronBackend:
         Not snapshots: consume each bucket before the next train_step. Tied heads appear once
         (as ``model.embed_tokens.weight``), as in HF checkpoints.
         """
+        self._refuse_if_critic("engine weights", "export_hf() to save the value model")
         return iter_hf_buckets(self.model, self.arch, bucket_bytes=bucket_bytes, dtype=dtype,
                                device=device)
 
     def sync_weights(self, consumer: Callable[[Bucket], None], bucket_bytes: int = 1 << 30
                      ) -> SyncStats:
         """Push the weights to ``consumer`` bucket by bucket and time it (see weight_sync)."""
+        self._refuse_if_critic("weight sync", "export_hf() to save the value model")
         return sync_weights(self.model, self.arch, consumer, bucket_bytes=bucket_bytes)
 
     # checkpoints ---------------------------------------------------------------------------
@@ -526,8 +573,19 @@ class MegatronBackend:
         if writer:
             (out / "model.safetensors.index.json").write_text(
                 json.dumps({"metadata": {}, "weight_map": index}, indent=1))
-            (out / "config.json").write_text(json.dumps(self.hf_config, indent=1, default=str))
+            (out / "config.json").write_text(json.dumps(self._export_config(), indent=1,
+                                                        default=str))
         return out
+
+    def _export_config(self) -> dict[str, Any]:
+        """The HF config of the export: a critic is an ``*ForTokenClassification`` of one label."""
+        if not self.cfg.critic:
+            return self.hf_config
+        causal = (self.hf_config.get("architectures") or ["ForCausalLM"])[0]
+        head = causal.replace("ForCausalLM", "ForTokenClassification")
+        labels = {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}}
+        return {**self.hf_config, **labels, "architectures": [head],
+                "classifier_dropout": 0.0, "tie_word_embeddings": False}
 
     def num_parameters(self) -> int:
         """Parameters of the full model (all ranks together), as the HF model counts them."""

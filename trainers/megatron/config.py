@@ -50,6 +50,11 @@ class MegatronBackendConfig(OptimizerSettings):
     CPU memory, swapped into the model for ``forward_logprobs(batch, ref=True)`` (no second
     model on the GPU; costs two host copies of the shard per reference forward)."""
 
+    critic: bool = False
+    """Train a value model (PPO's critic): the LM head becomes a scalar value head (HF
+    ``score``, initialised from a fixed seed unless the checkpoint has one); use
+    ``forward_values`` and ``train_step`` with ``returns``/``old_values`` on the batch."""
+
     fused_swiglu: bool = False
     """Megatron's fused SwiGLU (``bias_activation_fusion``, compiled by torch): fewer kernels."""
 
@@ -63,6 +68,8 @@ class MegatronBackendConfig(OptimizerSettings):
     def _check_parallel(self) -> MegatronBackendConfig:
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel needs tp > 1")
+        if self.critic and self.ref_model:
+            raise ValueError("a critic has no reference policy: unset ref_model or critic")
         return self
 
 

@@ -1,4 +1,4 @@
-"""HF <-> Megatron-core weight conversion (Qwen2, Qwen3, Llama, Qwen3-MoE) as pure tensor code.
+"""HF <-> Megatron-core weight conversion (Qwen2, Qwen3, Llama, Qwen3-MoE, DeepSeek-V3), pure tensors.
 
 Nothing here imports megatron: the functions reshuffle torch tensors on any device, so the CPU
 tests check them against a real HF model's state dict and the GPU weight sync reuses them.
@@ -11,7 +11,8 @@ Layouts (Megatron names are those of `GPTModel.state_dict()`, unsharded, PP=1):
 - ``fused_norms=True`` names the norms as transformer-engine's fused layernorm-linear modules do.
 
 HF names are those of the on-disk checkpoint (what engines load); for MoE that is one tensor per
-expert. `convert_moe` handles transformers-5's in-memory fused expert tensors.
+expert. `convert_moe` handles routers, experts (and transformers-5's in-memory fused expert
+tensors), `convert_mla` multi-latent attention.
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from palaestra.errors import ConfigError
-from palaestra.trainers.megatron import convert_moe
+from palaestra.trainers.megatron import convert_mla, convert_moe
 from palaestra.trainers.megatron.arch import ModelArch
 
 if TYPE_CHECKING:
     import torch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# a critic's value head: Megatron's replaced output layer <-> HF *ForTokenClassification's score
+VALUE_HEAD = {"output_layer.weight": "score.weight", "output_layer.bias": "score.bias"}
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -96,6 +99,8 @@ def mcore_to_hf_param(
         return []
     if name == "embedding.word_embeddings.weight":
         return [("model.embed_tokens.weight", tensor[: arch.vocab_size])]
+    if arch.value_head and name in VALUE_HEAD:
+        return [(VALUE_HEAD[name], tensor)]
     if name == "output_layer.weight":
         if arch.tie_embeddings:
             return []
@@ -112,6 +117,9 @@ def mcore_to_hf_param(
         return [(pre + "input_layernorm.weight", tensor)]
     if rest in ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"):
         return [(pre + "post_attention_layernorm.weight", tensor)]
+    mla = convert_mla.mcore_mla_param_to_hf(rest, tensor, pre, arch)
+    if mla is not None:
+        return mla
     if rest.startswith("self_attention.linear_qkv."):
         kind = rest.rsplit(".", 1)[1]  # weight | bias
         q, k, v = split_qkv(tensor, arch.num_kv_heads, arch.heads_per_group, arch.head_dim)
@@ -154,6 +162,11 @@ def iter_mcore_to_hf(
         yield from mcore_to_hf_param(name, tensor, arch, layer_offset=layer_offset)
 
 
+def _beyond_last_layer(hf_name: str, num_layers: int) -> bool:
+    match = _HF_LAYER.match(hf_name)
+    return match is not None and int(match.group(1)) >= num_layers
+
+
 def hf_to_mcore(
     hf_sd: Mapping[str, torch.Tensor],
     arch: ModelArch,
@@ -169,8 +182,15 @@ def hf_to_mcore(
     expert names (``experts.linear_fc1.weight{j}``) over SequentialMLP's.
     """
     src = dict(convert_moe.unfuse_hf_experts(hf_sd, arch)) if arch.moe else dict(hf_sd)
-    if arch.tie_embeddings:
-        src.pop("lm_head.weight", None)
+    if arch.mla is not None:
+        if fused_norms:
+            raise ConfigError("multi-latent attention with transformer-engine's layer spec is "
+                              "not supported yet; set use_transformer_engine='off'")
+        # DeepSeek-V3 checkpoints carry multi-token-prediction layers past num_hidden_layers,
+        # which HF's model (and this backend) does not build
+        src = {k: v for k, v in src.items() if not _beyond_last_layer(k, arch.num_layers)}
+    if arch.tie_embeddings or arch.value_head:
+        src.pop("lm_head.weight", None)  # a critic starting from a causal LM drops its head
     used: set[str] = set()
 
     def take(key: str) -> torch.Tensor:
@@ -189,14 +209,17 @@ def hf_to_mcore(
         in_norm, mlp_norm = _norm_names(fused_norms, moe_layer)
         out[pre + in_norm] = take(hf + "input_layernorm.weight")
         attn = hf + "self_attn."
+        if arch.mla is not None:
+            out.update(convert_mla.hf_mla_layer_to_mcore(take, arch, layer))
         kinds = ("weight", "bias") if arch.qkv_bias else ("weight",)
-        for kind in kinds:
+        for kind in kinds if arch.mla is None else ():
             out[pre + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(
                 take(f"{attn}q_proj.{kind}"), take(f"{attn}k_proj.{kind}"),
                 take(f"{attn}v_proj.{kind}"), arch.num_kv_heads,
             )
-        out[pre + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight")
-        if arch.qk_norm:
+        if arch.mla is None:
+            out[pre + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight")
+        if arch.qk_norm and arch.mla is None:
             out[pre + "self_attention.q_layernorm.weight"] = take(attn + "q_norm.weight")
             out[pre + "self_attention.k_layernorm.weight"] = take(attn + "k_norm.weight")
         out[pre + mlp_norm] = take(hf + "post_attention_layernorm.weight")
@@ -210,7 +233,9 @@ def hf_to_mcore(
             )
             out[pre + "mlp.linear_fc2.weight"] = take(hf + "mlp.down_proj.weight")
     out["decoder.final_layernorm.weight"] = take("model.norm.weight")
-    if not arch.tie_embeddings:
+    if arch.value_head:  # absent when a critic starts from a causal LM: the head keeps its init
+        out.update({m: take(h) for m, h in VALUE_HEAD.items() if h in src})
+    elif not arch.tie_embeddings:
         out["output_layer.weight"] = _pad_rows(take("lm_head.weight"), vocab_rows)
     unused = sorted(set(src) - used)
     if unused:

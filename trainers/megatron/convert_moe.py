@@ -1,10 +1,13 @@
-"""Qwen3-MoE parts of the HF <-> Megatron conversion: router and routed experts.
+"""Mixture-of-experts parts of the HF <-> Megatron conversion: router, routed and shared experts.
 
 Megatron names (inside ``decoder.layers.{i}.``): ``mlp.router.weight`` and, per expert j local to
 the expert-parallel rank, ``mlp.experts.local_experts.{j}.linear_fc{1,2}.weight`` (SequentialMLP,
 the local spec) or ``mlp.experts.linear_fc{1,2}.weight{j}`` (grouped GEMM, the TE spec), with
 ``fc1 = [gate; up]``. HF checkpoint names: ``mlp.gate.weight`` and
-``mlp.experts.{j}.{gate,up,down}_proj.weight``. transformers >= 5 keeps experts in memory as fused
+``mlp.experts.{j}.{gate,up,down}_proj.weight``. DeepSeek-V3 adds the router's expert bias
+(``mlp.router.expert_bias`` = ``mlp.gate.e_score_correction_bias``, a float32 buffer on both
+sides) and a shared expert (``mlp.shared_experts.linear_fc{1,2}`` =
+``mlp.shared_experts.{gate,up,down}_proj``). transformers >= 5 keeps experts in memory as fused
 ``mlp.experts.gate_up_proj [E, 2F, H]`` and ``mlp.experts.down_proj [E, H, F]``; `unfuse_hf_experts`
 and `fuse_hf_experts` translate between the two HF layouts.
 """
@@ -33,6 +36,14 @@ def mcore_moe_param_to_hf(
     """HF pairs for an MoE parameter named ``rest`` inside a layer, or None if not an MoE name."""
     if rest == "mlp.router.weight":
         return [(hf_prefix + "mlp.gate.weight", tensor)]
+    if rest == "mlp.router.expert_bias":
+        return [(hf_prefix + "mlp.gate.e_score_correction_bias", tensor)]
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        gate, up = tensor.chunk(2, dim=0)
+        return [(hf_prefix + "mlp.shared_experts.gate_proj.weight", gate),
+                (hf_prefix + "mlp.shared_experts.up_proj.weight", up)]
+    if rest == "mlp.shared_experts.linear_fc2.weight":
+        return [(hf_prefix + "mlp.shared_experts.down_proj.weight", tensor)]
     match = _SEQ_EXPERT.match(rest)
     if match is not None:
         expert, fc = int(match.group(1)), match.group(2)
@@ -64,6 +75,14 @@ def hf_moe_layer_to_mcore(
     assert arch.moe is not None
     pre, hf = f"decoder.layers.{layer}.", f"model.layers.{layer}.mlp."
     out = {pre + "mlp.router.weight": take(hf + "gate.weight")}
+    if arch.moe.expert_bias:
+        out[pre + "mlp.router.expert_bias"] = take(hf + "gate.e_score_correction_bias")
+    if arch.moe.shared_expert_ffn:
+        shared = hf + "shared_experts."
+        out[pre + "mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+            [take(shared + "gate_proj.weight"), take(shared + "up_proj.weight")], dim=0
+        )
+        out[pre + "mlp.shared_experts.linear_fc2.weight"] = take(shared + "down_proj.weight")
     for j in range(arch.moe.num_experts):
         e = f"{hf}experts.{j}."
         out[pre + expert_param_name(j, 1, grouped)] = torch.cat(

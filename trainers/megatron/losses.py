@@ -2,9 +2,9 @@
 
 The Megatron backend computes the same objective as the PyTorch backend: per-token aggregation
 weights are computed once over the whole batch (so micro-batching and data parallelism give the
-full-batch gradient), then each micro-batch's loss is ``objective.rl_loss`` or
-``objective.sft_loss_micro`` on its slice. This module is the only place that knows their
-signatures.
+full-batch gradient), then each micro-batch's loss is ``objective.rl_loss``,
+``sft_loss_micro``, ``dpo_loss_micro`` or (a critic) ``value_loss_micro`` on its slice. This module
+is the only place that knows their signatures.
 """
 
 from __future__ import annotations
@@ -26,31 +26,53 @@ def batch_token_weights(batch: TrainBatch, loss_cfg: Any) -> tuple[torch.Tensor,
     from palaestra.trainers.algorithms.aggregation import loss_token_weights
     from palaestra.trainers.batching import unpad
 
+    mode = "token-mean" if loss_cfg.objective == "dpo" else loss_cfg.loss_agg
     weights = loss_token_weights(
-        batch.padded("loss_mask"), loss_cfg.loss_agg, group_index_B=batch.group_index(),
+        batch.padded("loss_mask"), mode, group_index_B=batch.group_index(),
         norm_len=loss_cfg.loss_agg_norm_len,
     )
     return unpad(weights, batch.lengths)
 
 
 def needs_entropy(loss_cfg: Any) -> bool:
-    return float(getattr(loss_cfg, "entropy_coef", 0.0)) > 0.0
+    return loss_cfg.objective != "dpo" and float(getattr(loss_cfg, "entropy_coef", 0.0)) > 0.0
+
+
+def critic_loss(
+    loss_cfg: Any, mb: MicroBatch, values: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The critic's (clipped) value loss of one micro-batch."""
+    from palaestra.trainers.algorithms.objective import value_loss_micro
+
+    f = mb.fields
+    return value_loss_micro(loss_cfg, values=values, weights=f[WEIGHTS],
+                            old_values=f["old_values"], returns=f["returns"])
 
 
 def micro_batch_loss(
     loss_cfg: Any, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch (already weighted for the whole batch) and its metric sums."""
-    from palaestra.trainers.algorithms.objective import rl_loss, sft_loss_micro
+    from palaestra.trainers.algorithms.objective import (
+        PAIR_WEIGHT,
+        dpo_loss_micro,
+        rl_loss,
+        sft_loss_micro,
+    )
 
     f = mb.fields
     weights = f[WEIGHTS]
     if loss_cfg.objective == "sft":
         return sft_loss_micro(logp=logp, weights=weights, entropy=entropy)
+    if loss_cfg.objective == "dpo":
+        return dpo_loss_micro(
+            loss_cfg, logp=logp, ref_logp=f["ref_logprobs"], loss_mask=f["loss_mask"],
+            seq_index=mb.seq_index, pair_weights=mb.seq_fields[PAIR_WEIGHT][0::2],
+        )
     if loss_cfg.objective != "rl":
         raise ConfigError(
             f"objective {loss_cfg.objective!r} is not implemented by the Megatron backend "
-            "(rl, sft); use the torch backend for it"
+            "(rl, sft, dpo)"
         )
     if "advantages" not in f:
         raise ConfigError(

@@ -38,7 +38,10 @@ def transformer_config(
     import torch.nn.functional as F
 
     require_megatron()
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
 
     dtype = dtype or torch.bfloat16
     parallel = parallel or ParallelConfig()
@@ -83,22 +86,66 @@ def transformer_config(
         kwargs.update(recompute_granularity="full", recompute_method="uniform",
                       recompute_num_layers=1)
     if arch.moe is not None:
-        kwargs.update(
-            num_moe_experts=arch.moe.num_experts,
-            moe_router_topk=arch.moe.top_k,
-            moe_ffn_hidden_size=arch.moe.ffn_hidden_size,
-            moe_layer_freq=[int(x) for x in arch.moe.layers],
-            moe_router_load_balancing_type="aux_loss",
-            moe_aux_loss_coeff=arch.moe.aux_loss_coef,
-            # Qwen3-MoE: softmax over all experts, then top-k, renormalised if norm_topk_prob.
-            # Megatron's top-k-then-softmax equals the renormalised form; pre-softmax the other.
-            moe_router_pre_softmax=not arch.moe.norm_topk_prob,
-            moe_router_score_function="softmax",
-            moe_grouped_gemm=False,
-            moe_router_dtype="fp32",
-        )
+        kwargs.update(_moe_kwargs(arch))
+    if arch.mla is not None:
+        kwargs.update(_mla_kwargs(arch))
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
+    return (MLATransformerConfig if arch.mla is not None else TransformerConfig)(**kwargs)
+
+
+def _moe_kwargs(arch: ModelArch) -> dict[str, Any]:
+    moe = arch.moe
+    assert moe is not None
+    kwargs: dict[str, Any] = {
+        "num_moe_experts": moe.num_experts,
+        "moe_router_topk": moe.top_k,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size,
+        "moe_layer_freq": [int(x) for x in moe.layers],
+        "moe_router_load_balancing_type": "aux_loss" if moe.aux_loss_coef > 0 else "none",
+        "moe_aux_loss_coeff": moe.aux_loss_coef,
+        "moe_router_score_function": moe.score_function,
+        "moe_grouped_gemm": False,
+        "moe_router_dtype": "fp32",
+    }
+    if moe.score_function == "softmax":
+        # Qwen3-MoE: softmax over all experts, then top-k, renormalised if norm_topk_prob.
+        # Megatron's top-k-then-softmax equals the renormalised form; pre-softmax the other.
+        kwargs["moe_router_pre_softmax"] = not moe.norm_topk_prob
+    if moe.expert_bias:  # DeepSeek-V3's aux-loss-free balancing: the bias moves after each step
+        kwargs["moe_router_enable_expert_bias"] = True
+    if moe.num_groups:
+        kwargs.update(moe_router_num_groups=moe.num_groups, moe_router_group_topk=moe.group_topk)
+    if moe.scaling_factor is not None:
+        kwargs["moe_router_topk_scaling_factor"] = moe.scaling_factor
+    if moe.shared_expert_ffn:
+        kwargs["moe_shared_expert_intermediate_size"] = moe.shared_expert_ffn
+    return kwargs
+
+
+def _mla_kwargs(arch: ModelArch) -> dict[str, Any]:
+    mla = arch.mla
+    assert mla is not None
+    kwargs: dict[str, Any] = {
+        "multi_latent_attention": True,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_head_dim": mla.qk_nope_head_dim,
+        "qk_pos_emb_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "rotary_base": arch.rope_theta,
+        "qk_layernorm": True,  # the q and kv latents' RMSNorms
+        "num_query_groups": arch.num_heads,
+    }
+    if arch.yarn is None:
+        # rotary_scaling_factor also scales the softmax (mscale): 1 means none
+        kwargs.update(rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    else:
+        y = arch.yarn
+        kwargs.update(rope_type="yarn", rotary_scaling_factor=y.factor,
+                      original_max_position_embeddings=y.original_max_position_embeddings,
+                      beta_fast=y.beta_fast, beta_slow=y.beta_slow, mscale=y.mscale,
+                      mscale_all_dim=y.mscale_all_dim)
+    return kwargs
 
 
 def _with_sdpa_attention(layer_spec: Any) -> Any:
@@ -165,13 +212,18 @@ def build_gpt_model(
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
-        share_embeddings_and_output_weights=arch.tie_embeddings,
+        share_embeddings_and_output_weights=arch.tie_embeddings and not arch.value_head,
         position_embedding_type="rope",
         rotary_percent=1.0,
         rotary_base=arch.rope_theta,
         rope_scaling=arch.llama3_rope_factor is not None,
         rope_scaling_factor=arch.llama3_rope_factor or 8.0,
     )
+    if arch.value_head and model.post_process:
+        from palaestra.trainers.megatron.value_head import ValueHead
+
+        model.output_layer = ValueHead(arch.hidden_size, init_std=arch.initializer_range,
+                                       dtype=config.params_dtype)
     # megatron's torch-norm wrapper creates fp32 weights whatever params_dtype says (megatron's
     # own training casts through Float16Module); mixed dtypes would miss the fused norm kernel.
     # Parameters only: buffers such as MoE token counters stay as they are.

@@ -72,14 +72,15 @@ def sync_weights(
 
 
 def module_copier(module: Any) -> Callable[[Bucket], None]:
-    """Consumer that copies HF-named tensors in place into ``module``'s parameters.
+    """Consumer that copies HF-named tensors in place into ``module``'s parameters (and buffers).
 
     Understands transformers-5 fused experts (``experts.gate_up_proj[j]`` / ``down_proj[j]``).
     Raises EngineError for a name the module does not have.
     """
     import torch
 
-    params = dict(module.named_parameters(remove_duplicate=False))  # tied aliases included
+    # tied aliases included; buffers too (a MoE router's expert bias is one)
+    params = {**dict(module.named_buffers()), **dict(module.named_parameters(remove_duplicate=False))}
 
     def target(name: str) -> torch.Tensor:
         if name in params:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from palaestra.errors import ConfigError
 from palaestra.trainers.megatron import sharding
 from palaestra.trainers.megatron.arch import ModelArch
-from palaestra.trainers.megatron.convert import hf_to_mcore, mcore_to_hf_param
+from palaestra.trainers.megatron.convert import VALUE_HEAD, hf_to_mcore, mcore_to_hf_param
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +67,11 @@ def _local_experts(arch: ModelArch, ep_size: int) -> int:
     return arch.moe.num_experts // ep_size if arch.moe else 0
 
 
+def _replicated(name: str, arch: ModelArch) -> bool:
+    """Parameters every TP rank holds whole although their name looks sharded (value head)."""
+    return arch.value_head and name in VALUE_HEAD
+
+
 def load_hf_weights(
     model: Any, hf_sd: Mapping[str, torch.Tensor], arch: ModelArch, *, fused_norms: bool = False
 ) -> None:
@@ -89,9 +94,13 @@ def load_hf_weights(
         gname = globalize(key, l_off, e_off)
         if gname == "output_layer.weight" and arch.tie_embeddings:
             gname = "embedding.word_embeddings.weight"  # last PP stage's copy of the embedding
+        if gname not in full and _replicated(gname, arch):
+            continue  # a critic started from a causal LM: the value head keeps its init
         if gname not in full:
             raise ConfigError(f"model parameter {key!r} ({gname}) has no HF counterpart")
-        if sharding.is_expert_param(gname):
+        if _replicated(gname, arch):
+            t = full[gname]
+        elif sharding.is_expert_param(gname):
             t = sharding.shard_tensor(gname, full[gname], g["etp_rank"], g["etp_size"])
         else:
             t = sharding.shard_tensor(gname, full[gname], g["tp_rank"], g["tp_size"])
@@ -103,7 +112,8 @@ def load_hf_weights(
         new[key] = t
     with torch.no_grad():
         result = inner.load_state_dict(new, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    missing = [k for k in result.missing_keys
+               if not k.endswith("_extra_state") and not _replicated(k, arch)]
     if missing or result.unexpected_keys:
         raise ConfigError(f"weight load mismatch: missing {missing[:5]}, "
                           f"unexpected {result.unexpected_keys[:5]}")
@@ -119,8 +129,17 @@ def _all_gather(t: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
     return out
 
 
+def weight_tensors(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's parameters plus the buffers that are weights of the HF model too (the MoE
+    router's expert bias, which training moves without gradients)."""
+    yield from model.named_parameters()
+    for name, buf in model.named_buffers():
+        if name.endswith(".router.expert_bias"):
+            yield name, buf
+
+
 def iter_full_params(model: Any, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """(global Megatron name, full tensor) for every parameter of this pipeline stage.
+    """(global Megatron name, full tensor) for every weight of this pipeline stage.
 
     Collective: every rank of the TP and EP groups must iterate together.
     """
@@ -128,11 +147,11 @@ def iter_full_params(model: Any, arch: ModelArch) -> Iterator[tuple[str, torch.T
     inner = unwrap(model)
     l_off = layer_offset(inner)
     local_experts = _local_experts(arch, g["ep_size"])
-    for name, param in inner.named_parameters():
+    for name, param in weight_tensors(inner):
         t = param.detach()
         expert = sharding.is_expert_param(name)
         size, group = (g["etp_size"], g["etp"]) if expert else (g["tp_size"], g["tp"])
-        if size > 1 and sharding.tp_split_dim(name) is not None:
+        if size > 1 and sharding.tp_split_dim(name) is not None and not _replicated(name, arch):
             t = sharding.unshard_tensor(name, _all_gather(t, group, size))
         if expert and g["ep_size"] > 1:
             for rank, shard in enumerate(_all_gather(t, g["ep"], g["ep_size"])):

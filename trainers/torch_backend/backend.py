@@ -34,8 +34,11 @@ from palaestra.errors import ConfigError
 from palaestra.trainers.algorithms.aggregation import loss_token_weights
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.algorithms.objective import (
+    PAIR_WEIGHT,
+    check_train_batch,
     dpo_loss_micro,
     rl_loss,
+    sequence_fields,
     sft_loss_micro,
     value_loss_micro,
 )
@@ -271,24 +274,6 @@ class TorchBackend:
         return self._forward_all(batch, ref=False, with_entropy=False)[0]
 
     # --------------------------------------------------------------------------- training
-    def _check_batch(self, batch: TrainBatch, cfg: LossConfig) -> None:
-        need: list[str] = []
-        if self.config.critic:
-            need = ["returns", "old_values"]
-        elif cfg.objective == "rl":
-            need = ["advantages"]
-        elif cfg.objective == "dpo":
-            if not batch.paired:
-                raise ConfigError("objective='dpo' needs a paired batch (TrainBatch.from_pairs)")
-            need = ["ref_logprobs"]
-        missing = [n for n in need if getattr(batch, n) is None]
-        if missing:
-            raise ConfigError(
-                f"train_step({cfg.objective}) needs {missing} on the batch; "
-                "compute_advantages() fills advantages (and returns/old_values for GAE), "
-                "forward_logprobs(batch, ref=True) the reference logprobs"
-            )
-
     def _loss_weights(self, batch: TrainBatch, cfg: LossConfig) -> tuple[torch.Tensor, ...]:
         mode = cfg.loss_agg if cfg.objective != "dpo" else "token-mean"
         group = batch.group_index() if mode == "group-mean-token-mean" else None
@@ -324,7 +309,7 @@ class TorchBackend:
         if cfg.objective == "dpo":
             return dpo_loss_micro(
                 cfg, logp=logp, ref_logp=f["ref_logprobs"], loss_mask=f["loss_mask"],
-                seq_index=mb.seq_index, pair_weights=mb.seq_fields["pair_weight"][0::2],
+                seq_index=mb.seq_index, pair_weights=mb.seq_fields[PAIR_WEIGHT][0::2],
             )
         return rl_loss(
             cfg, logp=logp, weights=f["weights"], loss_mask=f["loss_mask"],
@@ -342,7 +327,7 @@ class TorchBackend:
         ``step_time_s``.
         """
         start = time.perf_counter()
-        self._check_batch(batch, loss_cfg)
+        check_train_batch(batch, loss_cfg, critic=self.config.critic)
         if (
             not self.config.critic
             and loss_cfg.needs_ref_logprobs
@@ -361,11 +346,7 @@ class TorchBackend:
                 fields[name] = getattr(batch, name)
         if not (loss_cfg.tis_cap is not None or loss_cfg.objective == "rl"):
             fields.pop("rollout_logprobs", None)
-        seq_fields = {}
-        if loss_cfg.objective == "dpo" and not self.config.critic:
-            seq_fields["pair_weight"] = torch.full(
-                (batch.num_sequences,), 2.0 / batch.num_sequences
-            )
+        seq_fields = sequence_fields(batch.num_sequences, loss_cfg, critic=self.config.critic)
         micro = make_micro_batches(
             batch, self.config.max_tokens_per_micro_batch, pack=self.config.pack_sequences,
             fields=fields, seq_fields=seq_fields, subset=self._rank_subset(batch),

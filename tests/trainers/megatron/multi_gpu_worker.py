@@ -23,7 +23,15 @@ def main() -> None:
     shape = {"vocab_size": 8192, "hidden_size": 512, "intermediate_size": 1024,
              "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
              "head_dim": 64, "tie_word_embeddings": True, "initializer_range": 0.05}
-    if layout.pop("moe", False):
+    if layout.pop("deepseek", False):  # MLA, sigmoid routing with expert bias, shared expert
+        cfg = transformers.DeepseekV3Config(
+            vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=3,
+            num_attention_heads=8, num_key_value_heads=8, q_lora_rank=128, kv_lora_rank=64,
+            qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, moe_intermediate_size=256,
+            n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2,
+            n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+            initializer_range=0.05)
+    elif layout.pop("moe", False):
         # no auxiliary loss: it is computed over each rank's own tokens, so with it DP/EP runs
         # would differ from one GPU by design, not by a bug
         cfg = transformers.Qwen3MoeConfig(**shape, moe_intermediate_size=256, num_experts=8,

@@ -1,4 +1,4 @@
-"""Megatron backend on a GPU: logprobs vs HF, training, weight sync, checkpoints, MoE.
+"""Megatron backend on a GPU: logprobs vs HF, training, weight sync, checkpoints, MoE, DeepSeek-V3.
 
 Run with the device tool (needs CUDA and megatron-core); skipped elsewhere. Measured numbers are
 printed (``-s``) and, with ``PALAESTRA_GPU_REPORT=dir``, written to ``dir/megatron_gpu.json``.
@@ -45,11 +45,12 @@ def _hf(family: str, dtype: torch.dtype, seed: int = 0, **cfg: Any) -> Any:
     import transformers
 
     cls = {"qwen3": transformers.Qwen3Config, "qwen2": transformers.Qwen2Config,
-           "llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[family]
+           "llama": transformers.LlamaConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+           "deepseek_v3": transformers.DeepseekV3Config}[family]
     torch.manual_seed(seed)
     with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(cls(**cfg),
-                                                              attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(
+            cls(**cfg), attn_implementation="eager" if family == "deepseek_v3" else "sdpa")
     return to_dtype_keep_rope(model, dtype).eval()
 
 
@@ -254,3 +255,45 @@ def test_reference_policy_swapped_in_and_policy_restored():
     REPORT["ref_policy_kl_after_2_sft_steps"] = metrics["actor/kl"]
     print(f"reference swap: KL(policy || ref) after 2 SFT steps = {metrics['actor/kl']:.4g}")
     assert metrics["actor/kl"] > 0 and metrics["update_ok"] == 1.0
+
+
+DEEPSEEK_SMALL = {  # MLA with YaRN (positions past 256 are scaled), sigmoid group routing
+    "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+    "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 8,
+    "q_lora_rank": 96, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+    "v_head_dim": 32, "n_routed_experts": 8, "num_experts_per_tok": 4, "n_group": 4,
+    "topk_group": 2, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+    "first_k_dense_replace": 1, "norm_topk_prob": True, "max_position_embeddings": 1024,
+    "initializer_range": 0.05,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+                     "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1},
+}
+
+
+def test_deepseek_v3_logprobs_train_and_sync():
+    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.megatron.weight_sync import module_copier
+
+    model = _hf("deepseek_v3", torch.float32, **DEEPSEEK_SMALL)
+    with torch.no_grad():  # the routing bias starts at 0: make it matter
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.05)
+    batch = _batch([129, 600, 64], DEEPSEEK_SMALL["vocab_size"], seed=3)
+    backend = _backend(model, dtype="float32", lr=1e-3)
+    max_diff, mean_diff = _max_diff(backend.forward_logprobs(batch), _hf_logprobs(model, batch))
+    REPORT["deepseek_v3_fp32_logprob_diff"] = {"max_abs": max_diff, "mean_abs": mean_diff}
+    print(f"deepseek-v3 fp32 logprob max |diff| = {max_diff:.3g} (mean {mean_diff:.3g})")
+    assert max_diff < 2e-3
+    bias_name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    bias_before = backend.state_dict_for_engines()[bias_name]
+    losses = [backend.train_step(batch, LossConfig(preset="sft"))["loss"] for _ in range(3)]
+    REPORT["deepseek_v3_sft_losses"] = losses
+    assert losses[-1] < losses[0], losses
+    synced = backend.state_dict_for_engines()
+    # aux-loss-free balancing: the routing bias moves with the expert loads, without gradients
+    assert not torch.equal(synced[bias_name], bias_before)
+    backend.sync_weights(module_copier(model))
+    max_diff, _ = _max_diff(backend.forward_logprobs(batch), _hf_logprobs(model, batch))
+    REPORT["deepseek_v3_fp32_logprob_diff_after_training_and_sync"] = max_diff
+    assert max_diff < 2e-3

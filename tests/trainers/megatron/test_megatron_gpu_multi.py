@@ -1,4 +1,4 @@
-"""Two GPUs: DP=2, TP=2, PP=2 and (Qwen3-MoE) EP=2 give one GPU's SFT losses on the same batch."""
+"""Two GPUs: DP=2, TP=2, PP=2 and (Qwen3-MoE, DeepSeek-V3) EP=2 give one GPU's SFT losses."""
 
 from __future__ import annotations
 
@@ -42,3 +42,12 @@ def test_expert_parallel_moe_matches_one_gpu(tmp_path):
     multi = _run(tmp_path, 2, {"moe": True, "ep": 2})
     assert multi["losses"] == pytest.approx(single["losses"], rel=1e-4)
     assert multi["weight_sum"] == pytest.approx(single["weight_sum"], rel=1e-4)
+
+
+def test_deepseek_v3_expert_and_data_parallel_match_one_gpu(tmp_path):
+    pytest.importorskip("megatron.core")
+    single = _run(tmp_path, 1, {"deepseek": True})
+    for layout in ({"deepseek": True}, {"deepseek": True, "ep": 2}):  # DP=2, then EP=2
+        multi = _run(tmp_path, 2, layout)
+        assert multi["losses"] == pytest.approx(single["losses"], rel=1e-4), layout
+        assert multi["weight_sum"] == pytest.approx(single["weight_sum"], rel=1e-4), layout
