@@ -139,6 +139,7 @@ def bench_model(name: str, args: argparse.Namespace, peak: float) -> dict[str, A
                            "seq": args.seq, "tokens_per_step": tokens,
                            "fused_swiglu": args.fused_swiglu,
                            "micro_batch_tokens": args.micro_batch_tokens or args.seq,
+                           "packed_attention": args.packed_attention,
                            "train_flops_per_token": flops_tok, "matmul_peak_tflops": peak}
 
     def rates(times: list[float]) -> dict[str, float]:
@@ -152,7 +153,8 @@ def bench_model(name: str, args: argparse.Namespace, peak: float) -> dict[str, A
         backend = MegatronBackend(hf_cfg, MegatronBackendConfig(
             dtype="bfloat16", lr=1e-5,
             max_tokens_per_micro_batch=args.micro_batch_tokens or args.seq,
-            recompute=args.recompute, fused_swiglu=args.fused_swiglu),
+            recompute=args.recompute, fused_swiglu=args.fused_swiglu,
+            packed_attention=args.packed_attention),
             hf_state_dict=hf.state_dict())
         with torch.device("cuda"):
             hf_bf16 = transformers.AutoModelForCausalLM.from_config(
@@ -221,11 +223,13 @@ def kernel_profile(step: Any, top: int = 15) -> dict[str, Any]:
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             kernels[evt.name] = kernels.get(evt.name, 0.0) + evt.device_time / 1e6
     by_kind: dict[str, float] = {}
+    members: dict[str, list[tuple[str, float]]] = {}
     for name, seconds in kernels.items():
         low = name.lower()
         kind = next((k for k, keys in KERNEL_KINDS if any(x in low for x in keys)),
                      "elementwise/other")
         by_kind[kind] = by_kind.get(kind, 0.0) + seconds
+        members.setdefault(kind, []).append((name, seconds))
     total = sum(by_kind.values())
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
     print(f"kernel time of one step: {total:.3f} s")
@@ -233,8 +237,11 @@ def kernel_profile(step: Any, top: int = 15) -> dict[str, Any]:
         print(f"  {kind:<20}{seconds:>8.3f} s {seconds / total:>6.1%}")
     for name, seconds in ranked:
         print(f"    {seconds:>8.4f} s  {name[:110]}")
+    top_by_kind = {k: [{"name": n[:160], "seconds": t} for n, t in sorted(v, key=lambda x: -x[1])[:6]]
+                   for k, v in members.items()}
     return {"total_kernel_s": total, "by_kind_s": by_kind,
-            "top_kernels": [{"name": n, "seconds": s} for n, s in ranked]}
+            "top_kernels": [{"name": n, "seconds": s} for n, s in ranked],
+            "top_by_kind": top_by_kind}
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -280,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Megatron micro-batch token budget (default: one sequence)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one Megatron step: GPU time by kernel kind")
+    parser.add_argument("--packed-attention", choices=["varlen", "per_sequence"],
+                        default="varlen", help="MegatronBackendConfig.packed_attention")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-megatron", action="store_true")
     parser.add_argument("--json", help="write the results here")

@@ -115,6 +115,8 @@ class MegatronBackend:
             perform_initialization=hf_state_dict is None, recompute=c.recompute,
             bias_activation_fusion=c.fused_swiglu,
         )
+        # read by SDPAttention (the TransformerConfig has no field for it)
+        self.mconfig.palaestra_packed_attention = c.packed_attention
         model = build_gpt_model(self.arch, self.parallel, config=self.mconfig, use_te=self.use_te)
         if hf_state_dict is not None:
             load_hf_weights(model, hf_state_dict, self.arch, fused_norms=self.use_te)

@@ -55,6 +55,10 @@ class MegatronBackendConfig(OptimizerSettings):
     ``score``, initialised from a fixed seed unless the checkpoint has one); use
     ``forward_values`` and ``train_step`` with ``returns``/``old_values`` on the batch."""
 
+    packed_attention: Literal["varlen", "per_sequence"] = "varlen"
+    """Attention over packs of several sequences: torch's varlen flash kernel, or one causal SDPA
+    call (cuDNN/flash) per sequence, cut at host-side boundaries (no device sync)."""
+
     fused_swiglu: bool = False
     """Megatron's fused SwiGLU (``bias_activation_fusion``, compiled by torch): fewer kernels."""
 

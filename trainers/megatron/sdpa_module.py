@@ -49,6 +49,8 @@ class SDPAttention(MegatronModule):
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        # set by MegatronBackend from its config (packed_attention)
+        self.per_sequence = getattr(config, "palaestra_packed_attention", "varlen") == "per_sequence"
 
     def forward(
         self,
@@ -64,6 +66,10 @@ class SDPAttention(MegatronModule):
             raise ConfigError("SDPAttention does not support attention_bias")
         dropout = self.dropout if self.training else 0.0
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            host = packed_seq_params.cu_seqlens_q_padded
+            if self.per_sequence and host is not None and not host.is_cuda:
+                return sdpa_thd(query, key, value, host, packed_seq_params.max_seqlen_q,
+                                scale=self.softmax_scale, dropout_p=dropout, use_varlen=False)
             return sdpa_thd(
                 query, key, value, packed_seq_params.cu_seqlens_q,
                 packed_seq_params.max_seqlen_q, scale=self.softmax_scale, dropout_p=dropout,

@@ -92,7 +92,7 @@ def load_hf_weights(
         if key.endswith("_extra_state"):
             continue
         gname = globalize(key, l_off, e_off)
-        if gname == "output_layer.weight" and arch.tie_embeddings:
+        if gname == "output_layer.weight" and arch.tie_embeddings and not arch.value_head:
             gname = "embedding.word_embeddings.weight"  # last PP stage's copy of the embedding
         if gname not in full and _replicated(gname, arch):
             continue  # a critic started from a causal LM: the value head keeps its init

