@@ -98,7 +98,6 @@ def sdpa_thd(
     pack holds a single sequence.
     """
     import torch
-    import torch.nn.functional as F
 
     if use_varlen is None and cu_seqlens.numel() == 2 and max_seqlen == query.shape[0]:
         # one sequence: plain causal SDPA (torch picks cuDNN/flash), no host sync
@@ -115,18 +114,16 @@ def sdpa_thd(
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         out = _varlen(query, key, value, cu_seqlens.to(torch.int32), int(max_seqlen), scale, kwargs)
         return out.reshape(query.shape[0], -1)
-    bounds = cu_seqlens.tolist()
-    gqa = query.shape[1] != key.shape[1]
+    bounds = cu_seqlens.tolist()  # a host tensor here costs no device sync
     outs = []
     for start, end in itertools.pairwise(bounds):
         if end == start:
             continue
-        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [h, s, d]
-        outs.append(
-            F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p, enable_gqa=gqa
-            ).transpose(0, 1)
-        )
+        # 4-D [s, 1, h, d] views: the fused kernels need a batch dimension (3-D inputs fall back
+        # to the math kernel and its [h, s, s] scores)
+        q, k, v = (t[start:end, None] for t in (query, key, value))
+        outs.append(sdpa_bshd(q, k, v, scale=scale, dropout_p=dropout_p)[:, 0])
     if bounds[-1] < query.shape[0]:  # tokens after the last sequence attend to nothing
-        outs.append(query.new_zeros(query.shape[0] - bounds[-1], *query.shape[1:]))
-    return torch.cat(outs, dim=0).reshape(query.shape[0], -1)
+        width = query.shape[1] * value.shape[-1]
+        outs.append(query.new_zeros(query.shape[0] - bounds[-1], width))
+    return torch.cat(outs, dim=0)
