@@ -225,7 +225,7 @@ def kernel_profile(step: Any, top: int = 15) -> dict[str, Any]:
     by_kind: dict[str, float] = {}
     members: dict[str, list[tuple[str, float]]] = {}
     for name, seconds in kernels.items():
-        low = name.lower()
+        low = name.lower().replace("nocast", "")  # "gpu_kernel_impl_nocast" is no cast kernel
         kind = next((k for k, keys in KERNEL_KINDS if any(x in low for x in keys)),
                      "elementwise/other")
         by_kind[kind] = by_kind.get(kind, 0.0) + seconds
@@ -287,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Megatron micro-batch token budget (default: one sequence)")
     parser.add_argument("--profile", action="store_true",
                         help="also profile one Megatron step: GPU time by kernel kind")
-    parser.add_argument("--packed-attention", choices=["varlen", "per_sequence"],
-                        default="varlen", help="MegatronBackendConfig.packed_attention")
+    parser.add_argument("--packed-attention", choices=["auto", "varlen", "per_sequence"],
+                        default="auto", help="MegatronBackendConfig.packed_attention")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--skip-megatron", action="store_true")
     parser.add_argument("--json", help="write the results here")

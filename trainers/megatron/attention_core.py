@@ -19,6 +19,17 @@ if TYPE_CHECKING:
     import torch
 
 
+PER_SEQUENCE_MAX = 4
+"""Packs of up to this many sequences use one SDPA call per sequence under ``"auto"``."""
+
+
+def use_per_sequence(mode: str, num_sequences: int) -> bool:
+    """Whether a pack of ``num_sequences`` runs per-sequence SDPA under ``packed_attention``."""
+    if mode == "auto":
+        return num_sequences <= PER_SEQUENCE_MAX
+    return mode == "per_sequence"
+
+
 def sdpa_bshd(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -55,9 +55,11 @@ class MegatronBackendConfig(OptimizerSettings):
     ``score``, initialised from a fixed seed unless the checkpoint has one); use
     ``forward_values`` and ``train_step`` with ``returns``/``old_values`` on the batch."""
 
-    packed_attention: Literal["varlen", "per_sequence"] = "varlen"
-    """Attention over packs of several sequences: torch's varlen flash kernel, or one causal SDPA
-    call (cuDNN/flash) per sequence, cut at host-side boundaries (no device sync)."""
+    packed_attention: Literal["auto", "varlen", "per_sequence"] = "auto"
+    """Attention over packs of several sequences: torch's varlen flash kernel (one launch per
+    layer), or one causal SDPA call (cuDNN flash) per sequence, cut at host-side boundaries.
+    "auto": per sequence for packs of up to 4 sequences (`attention_core.PER_SEQUENCE_MAX`;
+    measured 1.9x faster than varlen for a 4096-token sequence on an H200), varlen for more."""
 
     fused_swiglu: bool = False
     """Megatron's fused SwiGLU (``bias_activation_fusion``, compiled by torch): fewer kernels."""

@@ -16,7 +16,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from palaestra.errors import ConfigError
-from palaestra.trainers.megatron.attention_core import sdpa_bshd, sdpa_thd
+from palaestra.trainers.megatron.attention_core import sdpa_bshd, sdpa_thd, use_per_sequence
 
 
 class SDPAttention(MegatronModule):
@@ -50,7 +50,7 @@ class SDPAttention(MegatronModule):
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         # set by MegatronBackend from its config (packed_attention)
-        self.per_sequence = getattr(config, "palaestra_packed_attention", "varlen") == "per_sequence"
+        self.packed_attention = getattr(config, "palaestra_packed_attention", "varlen")
 
     def forward(
         self,
@@ -67,7 +67,8 @@ class SDPAttention(MegatronModule):
         dropout = self.dropout if self.training else 0.0
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             host = packed_seq_params.cu_seqlens_q_padded
-            if self.per_sequence and host is not None and not host.is_cuda:
+            if host is not None and not host.is_cuda and use_per_sequence(
+                    self.packed_attention, host.numel() - 1):
                 return sdpa_thd(query, key, value, host, packed_seq_params.max_seqlen_q,
                                 scale=self.softmax_scale, dropout_p=dropout, use_varlen=False)
             return sdpa_thd(

@@ -68,3 +68,11 @@ def test_varlen_forced_off_cuda_is_refused_or_unavailable():
     cu = torch.tensor([0, 4], dtype=torch.int32)
     with pytest.raises(RuntimeError):
         sdpa_thd(q, q, q, cu, 4, use_varlen=True)  # CPU: the flash varlen kernel cannot run
+
+
+def test_packed_attention_mode_picks_per_sequence_only_for_short_packs():
+    from palaestra.trainers.megatron.attention_core import PER_SEQUENCE_MAX, use_per_sequence
+
+    assert use_per_sequence("auto", 1) and use_per_sequence("auto", PER_SEQUENCE_MAX)
+    assert not use_per_sequence("auto", PER_SEQUENCE_MAX + 1)
+    assert use_per_sequence("per_sequence", 100) and not use_per_sequence("varlen", 1)
