@@ -149,7 +149,8 @@ def plot_curves(run: RunDir) -> Path | None:
     for ax, title in zip(axes[:3], ("reward (mean)", "response length (tokens)", "loss")):
         ax.set_title(title)
         ax.set_xlabel("step")
-        ax.legend(loc="best", fontsize=8)
+        if ax.get_legend_handles_labels()[0]:  # offline runs have no reward or length curve
+            ax.legend(loc="best", fontsize=8)
     if evals:
         axes[3].bar([str(e["stage"]) for e in evals], [e["success_rate"] for e in evals],
                     color="tab:green")
