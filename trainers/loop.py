@@ -129,19 +129,24 @@ def _train_rows(cfg: TrainConfig) -> list[dict[str, Any]]:
     return rows[: len(rows) - cfg.eval.num_tasks] if len(rows) > 2 * cfg.eval.num_tasks else rows
 
 
+def megatron_backend(cfg: TrainConfig, model_path: Path, **changes: Any) -> Any:
+    """A Megatron-core backend on ``model_path`` from ``trainer.megatron`` (seeded, its schedule
+    over ``trainer.steps``), with ``changes`` to those settings."""
+    from transformers import AutoConfig
+
+    from palaestra.trainers.megatron import MegatronBackend
+
+    changes = {"seed": cfg.seed, **changes}
+    if cfg.trainer.megatron.lr_schedule != "constant":
+        changes["total_steps"] = cfg.trainer.steps
+    return MegatronBackend(AutoConfig.from_pretrained(model_path),
+                           cfg.trainer.megatron.model_copy(update=changes), model_path=model_path)
+
+
 def build_backend(cfg: TrainConfig, policy_path: Path) -> Any:
     """The RL training backend: the PyTorch one, or Megatron-core on CUDA machines."""
     if cfg.trainer.backend == "megatron":
-        from transformers import AutoConfig
-
-        from palaestra.trainers.megatron import MegatronBackend
-
-        changes: dict[str, Any] = {"logits_temperature": cfg.rollout.temperature, "seed": cfg.seed}
-        if cfg.trainer.megatron.lr_schedule != "constant":
-            changes["total_steps"] = cfg.trainer.steps
-        return MegatronBackend(AutoConfig.from_pretrained(policy_path),
-                               cfg.trainer.megatron.model_copy(update=changes),
-                               model_path=policy_path)
+        return megatron_backend(cfg, policy_path, logits_temperature=cfg.rollout.temperature)
     from palaestra.trainers.torch_backend import TorchBackend
 
     return TorchBackend(policy_path, backend_config(cfg, steps=cfg.trainer.steps))

@@ -95,24 +95,15 @@ def _batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
     return out
 
 
-def offline_backend(cfg: TrainConfig, model_path: Path, torch_cfg: Any, *,
-                    ref_model: bool = False) -> Any:
+def offline_backend(cfg: TrainConfig, model_path: Path, torch_cfg: Any) -> Any:
     """The backend of an offline run (``algorithm = "sft"/"dpo"``): Megatron-core when
-    ``trainer.backend = "megatron"`` (its own ``trainer.megatron`` settings), else PyTorch."""
-    if cfg.trainer.backend != "megatron" or cfg.algorithm == "rl":
-        return _torch_backend(model_path, torch_cfg)
-    from transformers import AutoConfig
+    ``trainer.backend = "megatron"`` (its own ``trainer.megatron`` settings, the phase's logits
+    temperature, a reference policy for DPO), else PyTorch with ``torch_cfg``."""
+    from palaestra.trainers.loop import megatron_backend
 
-    from palaestra.trainers.megatron import MegatronBackend
-
-    changes: dict[str, Any] = {"logits_temperature": 1.0, "seed": cfg.seed, "ref_model": ref_model}
-    if cfg.trainer.megatron.lr_schedule != "constant":
-        changes["total_steps"] = cfg.trainer.steps
-    return MegatronBackend(AutoConfig.from_pretrained(model_path),
-                           cfg.trainer.megatron.model_copy(update=changes), model_path=model_path)
-
-
-def _torch_backend(model_path: Path, torch_cfg: Any) -> Any:
+    if cfg.trainer.backend == "megatron" and cfg.algorithm != "rl":
+        return megatron_backend(cfg, model_path, logits_temperature=torch_cfg.logits_temperature,
+                                ref_model=cfg.algorithm == "dpo")
     from palaestra.trainers.torch_backend import TorchBackend
 
     return TorchBackend(model_path, torch_cfg)
@@ -202,7 +193,7 @@ def dpo_steps(cfg: TrainConfig, run: RunDir, model_path: Path, spec: Any) -> Any
     steps = cfg.trainer.steps
     torch_cfg = backend_config(cfg, steps=steps).model_copy(
         update={"logits_temperature": 1.0, "ref_model": True})
-    backend = offline_backend(cfg, model_path, torch_cfg, ref_model=True)
+    backend = offline_backend(cfg, model_path, torch_cfg)
     loss_cfg = cfg.trainer.loss if cfg.trainer.loss.objective == "dpo" else LossConfig(preset="dpo")
     start = 0
     latest = run.latest_checkpoint("dpo") if cfg.checkpoint.resume else None

@@ -160,6 +160,19 @@ def sequence_fields(num_sequences: int, cfg: LossConfig, *, critic: bool = False
     return {PAIR_WEIGHT: torch.full((num_sequences,), 2.0 / num_sequences)}
 
 
+def batch_loss_weights(batch: Any, cfg: LossConfig) -> tuple[torch.Tensor, ...]:
+    """Per-sequence 1-D aggregation weights of a whole TrainBatch (``sum(w * loss)`` is the batch
+    loss); DPO always aggregates token-mean."""
+    from palaestra.trainers.algorithms.aggregation import loss_token_weights
+    from palaestra.trainers.batching import unpad
+
+    mode = cfg.loss_agg if cfg.objective != "dpo" else "token-mean"
+    group = batch.group_index() if mode == "group-mean-token-mean" else None
+    weights = loss_token_weights(batch.padded("loss_mask"), mode, group_index_B=group,
+                                 norm_len=cfg.loss_agg_norm_len)
+    return unpad(weights, batch.lengths)
+
+
 def check_train_batch(batch: Any, cfg: LossConfig, *, critic: bool = False) -> None:
     """Raise a ConfigError naming what ``batch`` (a TrainBatch) lacks for this objective."""
     if critic:
@@ -203,6 +216,7 @@ def value_loss_micro(
 
 __all__ = [
     "PAIR_WEIGHT",
+    "batch_loss_weights",
     "check_train_batch",
     "dpo_loss_micro",
     "rl_loss",

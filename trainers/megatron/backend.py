@@ -188,15 +188,12 @@ class MegatronBackend:
     def _token_stats(self, output: torch.Tensor, mb: MicroBatch, with_entropy: bool
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logprobs, entropy) of a policy's logits, or (values, None) of a critic's output."""
-        import torch
         from megatron.core import parallel_state as ps
 
-        if self.cfg.critic:
-            # the value of token t is read before it: the output one position earlier, 0 at
-            # each sequence's first token (as TorchBackend's shift_values)
-            values = output[..., 0].float()
-            shifted = torch.cat([values.new_zeros(values.shape[0], 1), values[:, :-1]], dim=1)
-            return torch.where(mb.position_ids > 0, shifted, 0.0), None
+        from palaestra.trainers.torch_backend.logprobs import shift_values
+
+        if self.cfg.critic:  # V_t is read before token t: 0 at each sequence's first token
+            return shift_values(output[..., 0].float(), mb.position_ids > 0), None
         logits = output
         if self.cfg.logits_temperature != 1.0:
             logits = logits / self.cfg.logits_temperature
@@ -377,7 +374,11 @@ class MegatronBackend:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from palaestra.trainers.algorithms.objective import check_train_batch, sequence_fields
+        from palaestra.trainers.algorithms.objective import (
+            batch_loss_weights,
+            check_train_batch,
+            sequence_fields,
+        )
         from palaestra.trainers.batching import TOKEN_FIELDS, make_micro_batches
         from palaestra.trainers.torch_backend.optim import lr_multiplier
 
@@ -389,7 +390,7 @@ class MegatronBackend:
             batch = batch.replace(ref_logprobs=self.forward_logprobs(batch, ref=True))
         check_train_batch(batch, loss_cfg, critic=critic)
         fields = {n: getattr(batch, n) for n in TOKEN_FIELDS if getattr(batch, n) is not None}
-        fields[losses.WEIGHTS] = losses.batch_token_weights(batch, loss_cfg)
+        fields[losses.WEIGHTS] = batch_loss_weights(batch, loss_cfg)
         local = self._local_indices(batch)
         mbs = make_micro_batches(
             batch, self.cfg.max_tokens_per_micro_batch, pack=True, fields=fields,

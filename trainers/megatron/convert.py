@@ -18,7 +18,7 @@ tensors), `convert_mla` multi-latent attention.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from palaestra.errors import ConfigError
@@ -167,6 +167,23 @@ def _beyond_last_layer(hf_name: str, num_layers: int) -> bool:
     return match is not None and int(match.group(1)) >= num_layers
 
 
+def _hf_gqa_layer_to_mcore(take: Callable[[str], torch.Tensor], arch: ModelArch, layer: int
+                           ) -> dict[str, torch.Tensor]:
+    """Megatron tensors of one layer's grouped-query attention, read through ``take``."""
+    pre, attn = f"decoder.layers.{layer}.self_attention.", f"model.layers.{layer}.self_attn."
+    out: dict[str, torch.Tensor] = {}
+    for kind in ("weight", "bias") if arch.qkv_bias else ("weight",):
+        out[f"{pre}linear_qkv.{kind}"] = fuse_qkv(
+            take(f"{attn}q_proj.{kind}"), take(f"{attn}k_proj.{kind}"),
+            take(f"{attn}v_proj.{kind}"), arch.num_kv_heads,
+        )
+    out[pre + "linear_proj.weight"] = take(attn + "o_proj.weight")
+    if arch.qk_norm:
+        out[pre + "q_layernorm.weight"] = take(attn + "q_norm.weight")
+        out[pre + "k_layernorm.weight"] = take(attn + "k_norm.weight")
+    return out
+
+
 def hf_to_mcore(
     hf_sd: Mapping[str, torch.Tensor],
     arch: ModelArch,
@@ -208,20 +225,10 @@ def hf_to_mcore(
         moe_layer = arch.is_moe_layer(layer)
         in_norm, mlp_norm = _norm_names(fused_norms, moe_layer)
         out[pre + in_norm] = take(hf + "input_layernorm.weight")
-        attn = hf + "self_attn."
         if arch.mla is not None:
             out.update(convert_mla.hf_mla_layer_to_mcore(take, arch, layer))
-        kinds = ("weight", "bias") if arch.qkv_bias else ("weight",)
-        for kind in kinds if arch.mla is None else ():
-            out[pre + f"self_attention.linear_qkv.{kind}"] = fuse_qkv(
-                take(f"{attn}q_proj.{kind}"), take(f"{attn}k_proj.{kind}"),
-                take(f"{attn}v_proj.{kind}"), arch.num_kv_heads,
-            )
-        if arch.mla is None:
-            out[pre + "self_attention.linear_proj.weight"] = take(attn + "o_proj.weight")
-        if arch.qk_norm and arch.mla is None:
-            out[pre + "self_attention.q_layernorm.weight"] = take(attn + "q_norm.weight")
-            out[pre + "self_attention.k_layernorm.weight"] = take(attn + "k_norm.weight")
+        else:
+            out.update(_hf_gqa_layer_to_mcore(take, arch, layer))
         out[pre + mlp_norm] = take(hf + "post_attention_layernorm.weight")
         if moe_layer:
             out.update(convert_moe.hf_moe_layer_to_mcore(take, arch, layer, grouped_experts))

@@ -16,22 +16,9 @@ from palaestra.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from palaestra.trainers.batching import MicroBatch, TrainBatch
+    from palaestra.trainers.batching import MicroBatch
 
 WEIGHTS = "loss_weights"
-
-
-def batch_token_weights(batch: TrainBatch, loss_cfg: Any) -> tuple[torch.Tensor, ...]:
-    """Per-sequence 1-D aggregation weights of the whole batch (sum of w * loss = batch loss)."""
-    from palaestra.trainers.algorithms.aggregation import loss_token_weights
-    from palaestra.trainers.batching import unpad
-
-    mode = "token-mean" if loss_cfg.objective == "dpo" else loss_cfg.loss_agg
-    weights = loss_token_weights(
-        batch.padded("loss_mask"), mode, group_index_B=batch.group_index(),
-        norm_len=loss_cfg.loss_agg_norm_len,
-    )
-    return unpad(weights, batch.lengths)
 
 
 def needs_entropy(loss_cfg: Any) -> bool:
@@ -73,10 +60,6 @@ def micro_batch_loss(
         raise ConfigError(
             f"objective {loss_cfg.objective!r} is not implemented by the Megatron backend "
             "(rl, sft, dpo)"
-        )
-    if "advantages" not in f:
-        raise ConfigError(
-            "the batch has no advantages; run algorithms.compute_advantages(batch, cfg) first"
         )
     return rl_loss(
         loss_cfg, logp=logp, weights=weights, loss_mask=f["loss_mask"],

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 
 from palaestra.errors import ConfigError
-from palaestra.trainers.algorithms.aggregation import loss_token_weights
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.algorithms.objective import (
     PAIR_WEIGHT,
+    batch_loss_weights,
     check_train_batch,
     dpo_loss_micro,
     rl_loss,
@@ -47,9 +47,7 @@ from palaestra.trainers.batching import (
     TrainBatch,
     build_micro_batch,
     make_micro_batches,
-    pad_ragged,
     split_across_ranks,
-    unpad,
 )
 from palaestra.trainers.torch_backend import checkpoint as ckpt
 from palaestra.trainers.torch_backend.config import TorchBackendConfig
@@ -274,14 +272,6 @@ class TorchBackend:
         return self._forward_all(batch, ref=False, with_entropy=False)[0]
 
     # --------------------------------------------------------------------------- training
-    def _loss_weights(self, batch: TrainBatch, cfg: LossConfig) -> tuple[torch.Tensor, ...]:
-        mode = cfg.loss_agg if cfg.objective != "dpo" else "token-mean"
-        group = batch.group_index() if mode == "group-mean-token-mean" else None
-        weights = loss_token_weights(
-            pad_ragged(batch.loss_mask), mode, group_index_B=group, norm_len=cfg.loss_agg_norm_len
-        )
-        return unpad(weights, batch.lengths)
-
     def _micro_loss(
         self, mb: MicroBatch, cfg: LossConfig
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -337,7 +327,7 @@ class TorchBackend:
         ):
             batch = batch.replace(ref_logprobs=self.forward_logprobs(batch, ref=True))
         fields: dict[str, Sequence[torch.Tensor]] = {
-            "weights": self._loss_weights(batch, loss_cfg),
+            "weights": batch_loss_weights(batch, loss_cfg),
             "loss_mask": batch.loss_mask,
         }
         for name in ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs",
