@@ -7,7 +7,6 @@ one-process group on a free loopback port, so a single GPU needs no launcher.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 
 from palaestra.errors import ConfigError, MissingExtraError
@@ -31,12 +30,6 @@ class ParallelConfig:
             raise ConfigError("sequence_parallel needs tp > 1")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def require_megatron() -> None:
     """Raise MissingExtraError unless megatron-core is importable."""
     try:
@@ -57,12 +50,14 @@ def init_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
+        from palaestra.rollout.engines.weight_transfer import free_port
+
         backend = "nccl" if cuda else "gloo"
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend)
         else:
             dist.init_process_group(
-                backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+                backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
             )
     world = dist.get_world_size()
     model_parallel = parallel.tp * parallel.pp
