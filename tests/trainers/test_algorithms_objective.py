@@ -182,3 +182,48 @@ def test_rl_loss_gspo_uses_sequence_index():
     )
     close(metrics["actor/ratio"], math.exp(-0.05))  # both sequences: exp(mean(-0.0, -0.1))
     close(sequence_sums(logp, torch.ones(1, 4), seq_index), [-2.1, -1.1])
+
+
+def _plain_batch(lengths, **fields):
+    ids = [torch.arange(n) for n in lengths]
+    masks = [torch.cat([torch.zeros(1), torch.ones(n - 1)]) for n in lengths]
+    return TrainBatch(token_ids=ids, loss_mask=masks, **fields)
+
+
+def test_check_train_batch_names_what_each_objective_lacks():
+    from palaestra.trainers.algorithms.objective import check_train_batch
+
+    batch = _plain_batch([3, 5])
+    with pytest.raises(ConfigError, match=r"train_step\(rl\) needs \['advantages'\]"):
+        check_train_batch(batch, LossConfig(preset="grpo"))
+    with pytest.raises(ConfigError, match=r"train_step\(critic\) needs \['returns', 'old_values'\]"):
+        check_train_batch(batch, LossConfig(), critic=True)
+    with pytest.raises(ConfigError, match="paired"):
+        check_train_batch(batch, LossConfig(preset="dpo"))
+    paired = _plain_batch([3, 5], paired=True)
+    with pytest.raises(ConfigError, match=r"needs \['ref_logprobs'\]"):
+        check_train_batch(paired, LossConfig(preset="dpo"))
+    check_train_batch(batch, LossConfig(preset="sft"))  # SFT reads nothing beyond the mask
+    check_train_batch(batch.replace(advantages=[torch.zeros(3), torch.zeros(5)]),
+                      LossConfig(preset="grpo"))
+
+
+def test_dpo_pairs_share_the_loss_and_aggregate_token_mean():
+    from palaestra.trainers.algorithms.objective import (
+        PAIR_WEIGHT,
+        batch_loss_weights,
+        sequence_fields,
+    )
+
+    dpo = LossConfig(preset="dpo").model_copy(update={"loss_agg": "seq-mean-token-sum"})
+    fields = sequence_fields(4, dpo)
+    assert fields[PAIR_WEIGHT].tolist() == [0.5] * 4  # two pairs, half the loss each
+    assert sequence_fields(4, dpo, critic=True) == {}
+    assert sequence_fields(4, LossConfig(preset="grpo")) == {}
+    batch = _plain_batch([3, 5, 2, 4], paired=True)
+    weights = batch_loss_weights(batch, dpo)  # token-mean whatever loss_agg says
+    assert torch.cat(weights).tolist() == pytest.approx([0.0, 1 / 10, 1 / 10, 0.0, *[1 / 10] * 4,
+                                                        0.0, 1 / 10, 0.0, *[1 / 10] * 3])
+    seq_sum = batch_loss_weights(batch, LossConfig(preset="grpo").model_copy(
+        update={"loss_agg": "seq-mean-token-sum"}))
+    assert float(seq_sum[0].sum()) == pytest.approx(2 / 4)  # 2 loss tokens over 4 sequences
