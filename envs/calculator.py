@@ -14,7 +14,7 @@ import json
 import operator
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -81,6 +81,8 @@ def extract_answer(text: str) -> str | None:
 
 class CalculatorEnv(ToolEnv):
     """Arithmetic questions generated from the seed; a calculator tool; reward 1 for the answer."""
+
+    task_fields: ClassVar[tuple[str | tuple[str, ...], ...]] = ("question", "answer")
 
     def __init__(
         self,

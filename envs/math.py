@@ -89,6 +89,7 @@ class _MathEnv(ToolEnv):
     snapshot_exclude: ClassVar[tuple[str, ...]] = ("_tools", "_dataset", "sandbox")
     DATASETS: ClassVar[dict[str, str]] = {}
     question_key: ClassVar[str] = "question"
+    task_fields: ClassVar[tuple[str | tuple[str, ...], ...]] = ("question", "answer")
 
     def __init__(
         self,
@@ -204,6 +205,7 @@ class MATHEnv(_MathEnv):
 
     DATASETS: ClassVar[dict[str, str]] = {"test": "math/math500_test.jsonl.gz"}
     question_key: ClassVar[str] = "problem"
+    task_fields: ClassVar[tuple[str | tuple[str, ...], ...]] = ("problem", ("answer", "solution"))
 
     def gold(self, task: Mapping[str, Any]) -> str:
         return math_gold(task)

@@ -6,6 +6,9 @@ the source's default ``env_id``. Files: ``.jsonl``, ``.json`` (a list), ``.parqu
 written by Hugging Face ``datasets`` (``save_to_disk``). Each epoch visits every row once in an
 order drawn from ``(seed, epoch)``; `state_dict` / `load_state_dict` save and restore the position
 (checkpoints), so a resumed run draws exactly the tasks an uninterrupted one would have drawn.
+`split_held_out` splits a file's held-out tail off its training rows (``palaestra train`` holds
+out the last ``eval.num_tasks`` rows and never trains on them); `without_tasks` drops training
+rows that repeat a held-out task.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -22,6 +25,7 @@ from palaestra.envs.base import task_id_of
 from palaestra.errors import CheckpointError, ConfigError
 
 ENV_KEYS = ("env_id", "env")
+R = TypeVar("R", bound=Mapping[str, Any])
 
 
 @dataclass(frozen=True)
@@ -45,17 +49,20 @@ def load_rows(path: str | Path, *, split: str = "train") -> list[dict[str, Any]]
         return _load_hf_folder(p, split)
     suffix = p.suffix.lower()
     if suffix == ".jsonl":
-        rows = []
-        with p.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as exc:
-                        raise ConfigError(f"{p}:{n}: not valid JSON ({exc.msg})") from None
+        rows, bad = [], []
+        for n, row, error in jsonl_lines(p):
+            if error is None:
+                rows.append(row)
+            else:
+                bad.append(f"{p}:{n}: {error}")  # path:line, as editors jump to it
+        if bad:
+            raise ConfigError(f"{p.name}: {describe_bad_rows(bad, len(bad) + len(rows))}")
         return rows
     if suffix == ".json":
-        data = json.loads(p.read_text(encoding="utf-8"))
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{p}:{exc.lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(data, list):
             raise ConfigError(f"{p}: a .json data file must hold a list of row objects")
         return data
@@ -69,6 +76,53 @@ def load_rows(path: str | Path, *, split: str = "train") -> list[dict[str, Any]]
         f"unsupported data file {p.name!r}; use .jsonl, .json, .parquet or a folder saved with "
         "datasets' save_to_disk"
     )
+
+
+def jsonl_lines(path: Path) -> Iterator[tuple[int, Any, str | None]]:
+    """``(line number, row, None)`` per non-blank line, or ``(number, None, why)`` when it does
+    not parse."""
+    with path.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield n, json.loads(line), None
+            except json.JSONDecodeError as exc:
+                yield n, None, f"not valid JSON ({exc.msg} at column {exc.colno})"
+
+
+def describe_bad_rows(problems: Sequence[str], checked: int, shown: int = 5) -> str:
+    """``"3 of 40 rows are unusable: line 2: ...; ..."``, the first ``shown`` of them named."""
+    head = "\n    ".join(problems[:shown])
+    more = f"\n    ... and {len(problems) - shown} more" if len(problems) > shown else ""
+    return (f"{len(problems)} of {checked} rows are unusable; fix or remove them:"
+            f"\n    {head}{more}")
+
+
+def split_held_out(rows: Sequence[R], num_held_out: int) -> tuple[list[R], list[R]]:
+    """``(train rows, held-out rows)``: the last ``num_held_out`` rows are held out, never
+    trained on. Raises when no training row would remain."""
+    if num_held_out >= len(rows):
+        raise ConfigError(
+            f"the data has {len(rows)} rows, too few to hold out eval.num_tasks = {num_held_out} "
+            "and train on the rest; lower eval.num_tasks or add rows"
+        )
+    cut = len(rows) - num_held_out
+    return list(rows[:cut]), list(rows[cut:])
+
+
+def without_tasks(rows: Sequence[R], others: Sequence[Mapping[str, Any]]) -> list[R]:
+    """``rows`` less those that pose one of ``others``' tasks (same env id and task id), e.g.
+    training draws that repeat a held-out draw of an env with a finite dataset."""
+    taken = {_task_key(row) for row in others}
+    return [row for row in rows if _task_key(row) not in taken]
+
+
+def _task_key(row: Mapping[str, Any]) -> tuple[Any, str]:
+    env_id = next((row[k] for k in ENV_KEYS if row.get(k)), None)
+    task = row["task"] if isinstance(row.get("task"), Mapping) else {
+        k: v for k, v in row.items() if k not in ENV_KEYS}
+    return env_id, task_id_of(task)
 
 
 def _load_hf_folder(path: Path, split: str) -> list[dict[str, Any]]:
@@ -200,4 +254,5 @@ def _mix(seed: int, epoch: int, index: int) -> int:
     return int((x ^ (x >> 32)) & 0x7FFFFFFF)
 
 
-__all__ = ["DataSource", "TaskItem", "load_rows"]
+__all__ = ["DataSource", "TaskItem", "describe_bad_rows", "jsonl_lines", "load_rows",
+           "split_held_out", "without_tasks"]

@@ -1,7 +1,9 @@
 """``palaestra train CONFIG [--section.key value ...]``: validate the config, then train.
 
-The config is parsed and validated (every problem at once) before torch is imported;
-``--dry-run`` stops there and prints the resolved config and the placement plan;
+The config is parsed and validated (every problem at once: field ranges, the env id, the data
+files and their rows, loss settings the loop can serve; `palaestra.trainers.config_checks`)
+before torch is imported, before the run directory is made; a user error prints that one
+message and exits 2. ``--dry-run`` stops there and prints the resolved config and the plan;
 ``--help-config`` lists every field with its type, default and help text.
 """
 
@@ -43,8 +45,8 @@ def run(args: argparse.Namespace) -> int:
         overrides += ["--out", args.out]
     if args.no_resume:
         overrides += ["--checkpoint.resume", "false"]
-    try:
-        cfg = load_config(TrainConfig, args.config, overrides)
+    try:  # a real run also checks what only this machine can tell (the model is here)
+        cfg = load_config(TrainConfig, args.config, overrides, context={"launch": not args.dry_run})
     except ConfigError as exc:
         print(f"palaestra train: {exc}", file=sys.stderr)
         return 2

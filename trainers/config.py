@@ -1,6 +1,8 @@
 """``TrainConfig``: the typed config tree of ``palaestra train`` (TOML + dotted overrides).
 
-Torch-free: the command validates the whole file (every problem at once) before importing torch.
+Torch-free: the command validates the whole file (every problem at once) before importing torch:
+the field types and ranges here, the checks across fields and against the env registry and the
+data files in `palaestra.trainers.config_checks` (run by ``TrainConfig``'s validator).
 The sections map onto the builders of the loop: ``model`` (checkpoint or a tiny model built
 locally), ``env``/``data`` (tasks), ``agent`` (renderer family), ``rollout`` (groups, sampling,
 workers, sync/async), ``engine`` (embedded or SGLang servers), ``warmup`` (SFT warm start on
@@ -11,10 +13,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, model_validator
 
 from palaestra.benchmarks.training import EvalConfig as BenchmarkEvalConfig
-from palaestra.config import Section
+from palaestra.config import ConfigProblems, Section
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.megatron.config import MegatronBackendConfig
 from palaestra.trainers.torch_backend.config import TorchBackendConfig
@@ -39,61 +41,62 @@ class EnvSection(Section):
 
 class DataSection(Section):
     path: str | None = None
-    """Task rows (.jsonl/.json/.parquet/datasets folder); None: draw tasks from the env itself."""
-    num_tasks: int = 4096
+    """Task rows (.jsonl/.json/.parquet/datasets folder); None: draw tasks from the env itself.
+    The file's last ``eval.num_tasks`` rows are held out for evaluation and never trained on."""
+    num_tasks: int = Field(4096, ge=1)
     """Tasks drawn from the env when ``path`` is None."""
     seed: int = 0
     """Seed of shuffling (and of the tasks drawn from the env)."""
     shuffle: bool = True
     """Shuffle the rows every epoch."""
-    epochs: int | None = None
+    epochs: int | None = Field(None, ge=1)
     """Passes over the data (None: endless, the run stops after ``trainer.steps``)."""
 
 
 class AgentSection(Section):
     family: str = "qwen"
     """Renderer and tool-call parser family: qwen, llama3, search_r1, python."""
-    max_context: int = 2048
+    max_context: int = Field(2048, ge=2)
     """Context limit of an episode in tokens (past it the episode ends as truncated)."""
     tools_in_prompt: bool = True
     """Render the env's tool schemas into the system prompt (False: the env's own prompt
     describes them, which keeps prompts short for tiny models)."""
-    drift_rate: float = 0.05
+    drift_rate: float = Field(0.05, ge=0.0, le=1.0)
     """Fraction of episodes checked for token drift against a full re-render."""
     strict_drift: bool = False
     """Raise on token drift instead of counting it."""
 
 
 class RolloutSection(Section):
-    batch_size: int = 16
+    batch_size: int = Field(16, ge=1)
     """Groups (prompts) per training step."""
-    group_size: int = 8
-    """Episodes per prompt."""
-    max_new_tokens: int = 256
+    group_size: int = Field(8, ge=1)
+    """Episodes per prompt (group baselines such as GRPO's need 2 or more)."""
+    max_new_tokens: int = Field(256, ge=1)
     """Token budget of one assistant turn."""
-    temperature: float = 1.0
+    temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature (the trainer divides logits by it to match)."""
-    top_p: float = 1.0
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling."""
-    max_turns: int | None = None
+    max_turns: int | None = Field(None, ge=1)
     """Cap on assistant turns per episode (None: the env's own limit)."""
     cluster: Literal["ray", "local"] = "ray"
     """Rollout workers as Ray actors, or in-process asyncio workers ("local")."""
     ray_address: str | None = None
     """Address of an existing Ray cluster (None: start a local one)."""
-    num_workers: int = 2
+    num_workers: int = Field(2, ge=1)
     """Rollout workers."""
-    max_concurrency: int = 256
+    max_concurrency: int = Field(256, ge=1)
     """Episodes in flight over all workers."""
     mode: Literal["sync", "async"] = "sync"
     """sync: rollout then train; async: rollout of step k+1 overlaps training of step k."""
-    max_staleness: int = 1
+    max_staleness: int = Field(1, ge=0)
     """Oldest policy version a trained token may have, counted back from the newest."""
     filters: list[str] = Field(default_factory=list)
     """Group filters, e.g. ["nonzero_variance"] (dynamic sampling)."""
-    max_failure_rate: float = 0.5
+    max_failure_rate: float = Field(0.5, ge=0.0, le=1.0)
     """Failed episodes above this fraction fail the step."""
-    over_sampling: float = 1.0
+    over_sampling: float = Field(1.0, ge=1.0)
     """Groups started per missing group (>1 when filters drop many groups)."""
 
 
@@ -115,7 +118,7 @@ class EngineSection(Section):
     """Extra arguments of every launched server's command line."""
     device: str | None = None
     """Device of the embedded engine (None: CUDA if available, else CPU)."""
-    max_running: int = 256
+    max_running: int = Field(256, ge=1)
     """Requests decoded together by the embedded engine."""
     weight_sync: Literal["auto", "in_process", "distributed", "disk", "tensor"] = "auto"
     """How new weights reach the engines after each step. in_process: the embedded engine's
@@ -127,34 +130,34 @@ class EngineSection(Section):
     """Collective of the distributed sync ("gloo" moves CPU tensors, e.g. to a CPU server)."""
     sync_master_address: str = "127.0.0.1"
     """This trainer's address as the servers reach it (rendezvous of the weight-update group)."""
-    sync_master_port: int = 0
+    sync_master_port: int = Field(0, ge=0, le=65535)
     """Port of that rendezvous (0: any free port)."""
-    sync_bucket_mb: int = 512
+    sync_bucket_mb: int = Field(512, ge=1)
     """Size of one transfer bucket (a tensor larger than this goes alone)."""
     sync_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """Cast floating weights to this dtype on the way (None: as trained), e.g. bfloat16 for
     SGLang servers in bf16."""
-    sync_timeout_s: float = 600.0
+    sync_timeout_s: float = Field(600.0, gt=0.0)
     """How long forming the weight-update group and each broadcast may take."""
     sync_dir: str = "{out}/engine-weights"
     """Disk sync: a folder the servers can read ({out} is the run directory)."""
 
 
 class WarmupSection(Section):
-    steps: int = 0
+    steps: int = Field(0, ge=0)
     """SFT steps before RL (0: no warm start)."""
-    batch_size: int = 32
+    batch_size: int = Field(32, ge=1)
     """Demonstrations per SFT step."""
-    lr: float = 3e-3
+    lr: float = Field(3e-3, gt=0.0)
     """SFT learning rate (peak)."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
     """Learning rate after the warm-up steps: constant or decaying to 10% of ``lr``."""
-    lr_warmup_steps: int = 20
+    lr_warmup_steps: int = Field(20, ge=0)
     """Linear learning-rate warm-up of the SFT phase."""
     demonstrations: str | None = None
     """A JSONL file of chat transcripts, or ``module:function(n, seed=..., env_kwargs=...)``
     returning them (e.g. ``palaestra.envs.calculator:demonstrations``)."""
-    num_demonstrations: int = 4096
+    num_demonstrations: int = Field(4096, ge=1)
     """Transcripts generated by a demonstration function."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments of the demonstration function."""
@@ -164,18 +167,18 @@ class OfflineSection(Section):
     dataset: str | None = None
     """SFT: JSONL of {"messages": [...], "tools": [...]}; DPO: JSONL of
     {"prompt": [...], "chosen": [...], "rejected": [...]} (message lists)."""
-    epochs: int = 1
+    epochs: int = Field(1, ge=1)
     """Passes over the offline dataset."""
-    batch_size: int = 16
+    batch_size: int = Field(16, ge=1)
     """Examples per step."""
 
 
 class TrainerSection(Section):
     backend: Literal["torch", "megatron"] = "torch"
     """Training backend."""
-    steps: int = 20
-    """Training steps (RL: rollout batches; SFT/DPO: optimizer steps)."""
-    updates_per_batch: int = 1
+    steps: int = Field(20, ge=0)
+    """Training steps (RL: rollout batches; SFT/DPO: optimizer steps; 0: evaluate only)."""
+    updates_per_batch: int = Field(1, ge=1)
     """Optimizer steps per rollout batch (more than one makes PPO clipping matter)."""
     torch: TorchBackendConfig = Field(default_factory=TorchBackendConfig)
     """PyTorch backend settings (device, dtype, lr, micro-batching, ...)."""
@@ -186,20 +189,23 @@ class TrainerSection(Section):
 
 
 class EvalSection(Section):
-    num_tasks: int = 100
-    """Held-out tasks (fixed set) evaluated at each stage."""
+    num_tasks: int = Field(100, ge=0)
+    """Held-out tasks (a fixed set) evaluated at each stage. With ``data.path``: the file's last
+    ``num_tasks`` rows, split off (never trained on; the rows before them train), so the file
+    needs more rows than this; without it: tasks the env draws with ``eval.seed`` (training draws
+    that repeat one of them are dropped). 0: none."""
     seed: int = 10_000
-    """Seed of the held-out tasks (disjoint from training draws)."""
-    temperature: float = 1.0
-    """Sampling temperature of evaluation."""
-    interval: int = 0
+    """Seed of the held-out tasks drawn from the env (disjoint from training draws)."""
+    temperature: float = Field(1.0, ge=0.0)
+    """Sampling temperature of evaluation (0: greedy)."""
+    interval: int = Field(0, ge=0)
     """Evaluate every N RL steps as well (0: only at the stages init/sft/rl)."""
 
 
 class CheckpointSection(Section):
-    interval: int = 5
+    interval: int = Field(5, ge=1)
     """Save every N steps (and at the end)."""
-    keep_last: int = 2
+    keep_last: int = Field(2, ge=1)
     """Checkpoints kept on disk."""
     resume: bool = True
     """Resume from the newest checkpoint in the run directory."""
@@ -239,43 +245,12 @@ class TrainConfig(Section):
     logging: LoggingSection = Field(default_factory=LoggingSection)
 
     @model_validator(mode="after")
-    def _consistent(self) -> TrainConfig:
-        problems = []
-        if self.algorithm in ("sft", "dpo") and not self.offline.dataset:
-            problems.append(f"algorithm = {self.algorithm!r} needs offline.dataset")
-        if self.warmup.steps > 0 and not self.warmup.demonstrations:
-            problems.append("warmup.steps > 0 needs warmup.demonstrations")
-        if self.engine.kind == "sglang" and not self.engine.urls and self.engine.launch == "none":
-            problems.append("engine.kind = 'sglang' needs engine.urls (attach to running servers) "
-                            "or engine.launch = 'sglang' / 'palaestra' (start them)")
-        if self.engine.launch != "none" and self.engine.kind != "sglang":
-            problems.append("engine.launch starts servers: set engine.kind = 'sglang' too")
-        if self.engine.launch_gpus and len(self.engine.launch_gpus) % self.engine.launch_tp:
-            problems.append(f"engine.launch_gpus ({len(self.engine.launch_gpus)} GPUs) do not "
-                            f"split into groups of engine.launch_tp = {self.engine.launch_tp}")
-        if self.engine.launch == "palaestra" and self.engine.launch_tp > 1:
-            problems.append("palaestra serve runs one GPU per server: set engine.launch_tp = 1")
-        if self.engine.kind == "local" and self.engine.weight_sync not in ("auto", "in_process"):
-            problems.append(f"engine.weight_sync = {self.engine.weight_sync!r} needs SGLang "
-                            "servers (engine.kind = 'sglang'); the embedded engine is updated "
-                            "in process")
-        if self.engine.kind == "sglang" and self.engine.weight_sync == "in_process":
-            problems.append("engine.weight_sync = 'in_process' needs the embedded engine; for "
-                            "SGLang servers use distributed, disk or tensor")
-        if self.trainer.backend == "megatron" and not _megatron_installed():
-            problems.append(
-                "trainer.backend = 'megatron' needs megatron-core (pip install "
-                "'palaestra[megatron]' on a CUDA machine; see docs/megatron.md)"
-            )
+    def _consistent(self, info: ValidationInfo) -> TrainConfig:
+        from palaestra.trainers.config_checks import config_problems, launch_problems
+
+        problems = config_problems(self)
+        if (info.context or {}).get("launch"):  # a run starts on this machine (not a dry run)
+            problems += launch_problems(self)
         if problems:
-            raise ValueError("; ".join(problems))
+            raise ConfigProblems(problems)
         return self
-
-
-def _megatron_installed() -> bool:
-    import importlib.util
-
-    try:  # megatron.core, not a folder that happens to be named megatron (e.g. a test package)
-        return importlib.util.find_spec("megatron.core") is not None
-    except (ImportError, ValueError):
-        return False

@@ -332,12 +332,26 @@ def describe_placement(cfg: TrainConfig, environ: Mapping[str, str] | None = Non
     return "\n".join(lines)
 
 
+def _tasks_line(cfg: TrainConfig) -> str:
+    """Where training and held-out tasks come from, and how many of each."""
+    d, e = cfg.data, cfg.eval
+    if d.path is None:
+        return (f"tasks: {d.num_tasks} drawn from {cfg.env.id} (data.seed {d.seed}); held out: "
+                f"{e.num_tasks} drawn from the env with eval.seed {e.seed} (training draws that "
+                "repeat one are dropped)")
+    from palaestra.rollout.task_checks import scan_rows
+
+    rows = scan_rows(d.path, lambda row: []).num_rows
+    return (f"tasks: {d.path} has {rows} rows: the first {rows - e.num_tasks} train, the last "
+            f"{e.num_tasks} are held out (eval.num_tasks) and never trained on")
+
+
 def describe_plan(cfg: TrainConfig, environ: Mapping[str, str] | None = None) -> str:
     """A human-readable summary: what runs where, with the per-GPU memory estimate."""
     lines = [f"run directory: {cfg.out}",
              f"algorithm: {cfg.algorithm} (backend {cfg.trainer.backend})"]
-    lines.append(f"model: {cfg.model.path}" + (f" (built locally: {cfg.model.init_size})"
-  if cfg.model.init_size else ""))
+    built = f" (built locally: {cfg.model.init_size})" if cfg.model.init_size else ""
+    lines.append(f"model: {cfg.model.path.replace('{out}', cfg.out)}{built}")
     if cfg.algorithm == "rl":
         r = cfg.rollout
         lines.append(f"env: {cfg.env.id}; loss preset: {cfg.trainer.loss.preset}")
@@ -348,8 +362,13 @@ def describe_plan(cfg: TrainConfig, environ: Mapping[str, str] | None = None) ->
             + f"), max {r.max_new_tokens} new tokens/turn"
         )
         lines.append(f"engine: {_engine_line(cfg)}; weight sync: {_sync_line(cfg)}")
+        lines.append(_tasks_line(cfg))
         if cfg.warmup.steps:
             lines.append(f"warm start: {cfg.warmup.steps} SFT steps on {cfg.warmup.demonstrations}")
+    from palaestra.trainers.config_checks import launch_problems
+
+    lines += [f"warning: {p.message} (a run on this machine would stop here)"
+              for p in launch_problems(cfg)]
     lines.append(describe_placement(cfg, environ))
     lines.append("resolved config:")
     lines.append(json.dumps(cfg.model_dump(), indent=2))

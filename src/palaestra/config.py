@@ -5,13 +5,21 @@ TOML file, applies the overrides (``--a.b value`` or ``--a.b=value``; values par
 literals when they can be, else taken as strings), validates everything at once and raises one
 `ConfigError` that lists every problem. Field docstrings are the help text
 (``use_attribute_docstrings``), shown by `describe_fields`.
+
+Checks that span fields (or look at files) run in a model validator that raises `ConfigProblems`
+with one `Problem` each. Pydantic runs such a validator only once every field is valid, so
+`validate` validates again without the invalid fields (their defaults stand in) to report those
+problems in the same error, leaving out the ones that involve an invalid field.
 """
 
 from __future__ import annotations
 
+import copy
+import difflib
 import json
 import sys
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -25,6 +33,25 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 C = TypeVar("C", bound=pydantic.BaseModel)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One config problem: the dotted fields it involves and what to do about it."""
+
+    fields: tuple[str, ...]
+    message: str
+
+
+class ConfigProblems(ValueError):
+    """Raised by a model validator with every problem it found (see `validate`)."""
+
+    def __init__(self, problems: Sequence[Problem]) -> None:
+        super().__init__("; ".join(p.message for p in problems))
+        self.problems = tuple(problems)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.problems,)
 
 
 class Section(pydantic.BaseModel):
@@ -98,29 +125,116 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p}: invalid TOML: {exc}") from None
 
 
-def validate(model: type[C], data: Mapping[str, Any], source: str = "config") -> C:
-    """Validate ``data``; one `ConfigError` lists every problem with its dotted path."""
-    try:
-        return model.model_validate(data)
-    except pydantic.ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "(root)"
-            got = err.get("input")
-            shown = "" if isinstance(got, dict) else f" (got {json.dumps(got, default=str)[:60]})"
-            lines.append(f"{where}: {err['msg']}{shown}")
-        raise ConfigError(
-            f"{len(lines)} problem(s) in {source}:\n  " + "\n  ".join(lines)
-            + "\nSee `palaestra train --help-config` for every field."
-        ) from None
+def validate(model: type[C], data: Mapping[str, Any], source: str = "config",
+             context: Mapping[str, Any] | None = None) -> C:
+    """Validate ``data``; one `ConfigError` lists every problem with its dotted path.
+
+    ``context`` reaches the model validators (pydantic's validation context).
+    """
+    data = copy.deepcopy(dict(data))
+    lines: list[str] = []
+    invalid: list[str] = []
+    for _ in range(4):  # each pass drops the fields found invalid, so the checks across fields run
+        try:
+            result = model.model_validate(data, context=dict(context or {}))
+        except pydantic.ValidationError as exc:
+            dropped = False
+            for err in exc.errors():
+                cause = (err.get("ctx") or {}).get("error")
+                if isinstance(cause, ConfigProblems):
+                    lines += [p.message for p in cause.problems
+                              if not any(_overlaps(f, bad) for f in p.fields for bad in invalid)]
+                    continue
+                where = ".".join(str(p) for p in err["loc"])
+                lines.append(_describe_error(model, err, where))
+                invalid.append(where)
+                dropped |= _drop(data, err["loc"])
+            if not dropped:
+                break
+        else:
+            if not lines:
+                return result
+            break
+    raise problems_error(lines, source)
+
+
+def problems_error(messages: Sequence[str], source: str = "config") -> ConfigError:
+    """One `ConfigError` listing ``messages`` (each says what is wrong and how to fix it)."""
+    return ConfigError(
+        f"{len(messages)} problem(s) in {source}:\n  - " + "\n  - ".join(messages)
+        + "\nSee `palaestra train --help-config` for every field."
+    )
+
+
+def _describe_error(model: type[pydantic.BaseModel], err: Any, where: str) -> str:
+    got = err.get("input")
+    shown = "" if isinstance(got, dict) else f" = {json.dumps(got, default=str)[:60]}"
+    if err["type"] == "extra_forbidden":
+        *parents, leaf = where.split(".")
+        close = difflib.get_close_matches(str(leaf), _field_names(model, parents), n=1)
+        hint = f"; did you mean {'.'.join([*parents, close[0]])}?" if close else ""
+        return f"{where or '(root)'}: unknown field{hint}"
+    bound = _BOUNDS.get(err["type"])
+    if bound is not None:
+        op, key = bound
+        *parents, leaf = where.split(".")
+        field = _section(model, parents)
+        info = field.model_fields.get(leaf) if field is not None else None
+        about = (info.description or "").replace("\n", " ").split(". ")[0] if info else ""
+        about = f" ({about.rstrip('.')})" if about else ""
+        return f"{where}{shown}: must be {op} {err['ctx'][key]}{about}"
+    message = str(err["msg"]).removeprefix("Value error, ")
+    return f"{where or '(root)'}{shown}: {message}"
+
+
+#: pydantic's range error types -> (operator, key of the bound in the error's ctx)
+_BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
+           "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
+
+
+def _field_names(model: type[pydantic.BaseModel], path: Sequence[str]) -> list[str]:
+    """Field names of the section at ``path`` (empty when the path leaves the model tree)."""
+    section = _section(model, path)
+    return list(section.model_fields) if section is not None else []
+
+
+def _section(model: type[pydantic.BaseModel], path: Sequence[str]) -> type[pydantic.BaseModel] | None:
+    """The section model at ``path`` (None when the path leaves the model tree)."""
+    node: Any = model
+    for part in path:
+        field = node.model_fields.get(part)
+        node = field.annotation if field is not None else None
+        if not (isinstance(node, type) and issubclass(node, pydantic.BaseModel)):
+            return None
+    return node
+
+
+def _drop(data: dict[str, Any], loc: Sequence[Any]) -> bool:
+    """Remove the deepest key of ``data`` on the path ``loc``; True when one was removed."""
+    node: Any = data
+    parent, key = None, None
+    for part in loc:
+        if not isinstance(node, dict) or part not in node:
+            break
+        parent, key, node = node, part, node[part]
+    if parent is None:
+        return False
+    del parent[key]
+    return True
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """True when one dotted path is the other or lies inside it."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".") or not a or not b
 
 
 def load_config(
-    model: type[C], path: str | Path | None = None, overrides: Sequence[str] = ()
+    model: type[C], path: str | Path | None = None, overrides: Sequence[str] = (),
+    context: Mapping[str, Any] | None = None,
 ) -> C:
     data = read_toml(path) if path is not None else {}
     data = deep_merge(data, parse_overrides(overrides))
-    return validate(model, data, source=str(path) if path else "config")
+    return validate(model, data, source=str(path) if path else "config", context=context)
 
 
 def save_resolved(config: pydantic.BaseModel, run_dir: str | Path) -> Path:
@@ -141,4 +255,5 @@ def describe_fields(model: type[pydantic.BaseModel], prefix: str = "") -> Iterat
             continue
         type_name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
         default = "" if field.is_required() else f" = {field.get_default(call_default_factory=True)!r}"
-        yield f"--{dotted} ({type_name}{default}): {field.description or ''}".rstrip(": ")
+        about = " ".join((field.description or "").split())  # one line per field
+        yield f"--{dotted} ({type_name}{default}): {about}".rstrip(": ")

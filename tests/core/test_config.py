@@ -2,9 +2,19 @@
 
 import json
 
+import pydantic
 import pytest
 
-from palaestra.config import Section, describe_fields, load_config, parse_overrides, save_resolved
+from palaestra.config import (
+    ConfigProblems,
+    Problem,
+    Section,
+    describe_fields,
+    load_config,
+    parse_overrides,
+    save_resolved,
+    validate,
+)
 from palaestra.errors import ConfigError
 
 
@@ -60,3 +70,51 @@ def test_missing_file_and_bad_toml(tmp_path):
 def test_help_comes_from_docstrings():
     lines = list(describe_fields(Run))
     assert any(line.startswith("--rollout.group_size (int = 4): Samples per prompt.") for line in lines)
+
+
+class Checked(Section):
+    """A section whose validator checks across fields (as TrainConfig's does)."""
+
+    size: int = pydantic.Field(4, ge=1)
+    """Items per batch."""
+    group: int = 2
+    """Items per group."""
+    name: str = "x"
+    """A name."""
+
+    @pydantic.model_validator(mode="after")
+    def _across(self) -> "Checked":
+        problems = []
+        if self.size % self.group:
+            problems.append(Problem(("size", "group"), f"size {self.size} % group {self.group}"))
+        if self.name == "bad":
+            problems.append(Problem(("name",), "name must not be 'bad'; rename it"))
+        if problems:
+            raise ConfigProblems(problems)
+        return self
+
+
+def test_checks_across_fields_are_reported_beside_field_errors():
+    with pytest.raises(ConfigError) as info:
+        validate(Checked, {"size": 0, "group": 3, "name": "bad"})
+    text = str(info.value)
+    # size is invalid, so the problem involving it is left out; the name's is reported with it
+    assert "2 problem(s)" in text
+    assert "size = 0: must be >= 1 (Items per batch)" in text
+    assert "name must not be 'bad'; rename it" in text and "% group" not in text
+    with pytest.raises(ConfigError, match="size 5 % group 2"):
+        validate(Checked, {"size": 5})
+    assert validate(Checked, {"size": 6, "group": 3}).size == 6
+
+
+def test_unknown_keys_name_their_close_match():
+    with pytest.raises(ConfigError, match=r"rollout\.group_sise: unknown field; did you mean "
+                                          r"rollout\.group_size\?"):
+        validate(Run, {"rollout": {"group_sise": 3}})
+
+
+def test_config_problems_survive_pickling():
+    import pickle
+
+    err = pickle.loads(pickle.dumps(ConfigProblems([Problem(("a",), "fix a")])))
+    assert err.problems == (Problem(("a",), "fix a"),) and str(err) == "fix a"

@@ -23,7 +23,7 @@ from palaestra.trainers.dry_run import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE_CONFIGS = ["search_r1_grpo", "search_r1_ppo", "gsm8k_grpo", "code_grpo"]
+RECIPE_CONFIGS = ["search_r1_grpo", "gsm8k_grpo", "code_grpo"]
 SCRIPTS = {
     "run_search_r1.sh": ("palaestra/SearchR1-v0", "disaggregated, 8 GPUs", 8),
     "run_gsm8k_grpo.sh": ("palaestra/GSM8K-v0", "colocated, 4 GPUs", 4),
@@ -47,6 +47,13 @@ def test_recipe_config_loads(name: str) -> None:
     assert cfg.env.id in {v[0] for v in SCRIPTS.values()}
 
 
+def test_ppo_recipe_is_refused_until_the_loop_trains_a_critic() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(TrainConfig, REPO / "configs" / "search_r1_ppo.toml")
+    text = str(info.value)
+    assert "1 problem(s)" in text and "need a critic" in text and "grpo" in text
+
+
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_script_dry_run_prints_plan(script: str) -> None:
     env_id, placement, gpus = SCRIPTS[script]
@@ -64,18 +71,27 @@ def test_script_dry_run_prints_plan(script: str) -> None:
     assert "OVER" not in out
 
 
-def test_script_ppo_variant_and_overrides() -> None:
+def test_script_overrides_reach_the_config() -> None:
     proc = subprocess.run(
         ["bash", str(REPO / "scripts" / "run_search_r1.sh"), "--dry-run", "--trainer.steps", "3"],
-        cwd=REPO, env=_clean_env(PALAESTRA_ALGO="ppo", PALAESTRA_ENGINE_GPUS="2",
+        cwd=REPO, env=_clean_env(PALAESTRA_ENGINE_GPUS="2",
                                  RETRIEVER_URL="http://10.0.0.5:8000/retrieve"),
         capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     resolved = json.loads(proc.stdout.split("resolved config:\n", 1)[1])
-    assert resolved["trainer"]["loss"]["preset"] == "ppo" and resolved["trainer"]["steps"] == 3
+    assert resolved["trainer"]["steps"] == 3
     assert resolved["engine"]["urls"] == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
     assert resolved["env"]["kwargs"]["retriever"] == "http://10.0.0.5:8000/retrieve"
     assert "disaggregated, 6 GPUs" in proc.stdout
+
+
+def test_script_ppo_variant_is_refused_before_anything_starts() -> None:
+    proc = subprocess.run(
+        ["bash", str(REPO / "scripts" / "run_search_r1.sh"), "--dry-run"],
+        cwd=REPO, env=_clean_env(PALAESTRA_ALGO="ppo"),
+        capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "need a critic" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_script_megatron_backend_is_passed_through() -> None:

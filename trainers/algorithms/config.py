@@ -96,7 +96,7 @@ class LossConfig(BaseModel):
     policy_loss: Literal["ppo", "gspo"] = "ppo"
     """PPO token-level clipped ratio, or GSPO's sequence-level (length-normalised) ratio."""
 
-    clip_eps_low: float = Field(0.2, ge=0.0)
+    clip_eps_low: float = Field(0.2, ge=0.0, lt=1.0)
     """Lower clip range: the ratio is clipped at ``1 - clip_eps_low``."""
 
     clip_eps_high: float = Field(0.2, ge=0.0)
@@ -144,6 +144,13 @@ class LossConfig(BaseModel):
         if name not in PRESETS:
             raise ValueError(f"unknown loss preset {name!r}; choose one of {sorted(PRESETS)}")
         return {**PRESETS[name], **data}
+
+    @model_validator(mode="after")
+    def _coherent(self) -> LossConfig:
+        if self.policy_loss == "gspo" and self.dual_clip_c is not None:
+            raise ValueError("dual_clip_c bounds PPO's token loss and GSPO's sequence loss ignores "
+                             "it: unset dual_clip_c or use policy_loss = 'ppo'")
+        return self
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> LossConfig:
