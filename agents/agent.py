@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from palaestra.agents.drift import DriftReport, compare_ids
 from palaestra.agents.renderers import Renderer, get_renderer
 from palaestra.errors import ConfigError, EngineError, RolloutError
+from palaestra.tool_parsers import number_calls
 from palaestra.types import Message, Sample, StopReason, as_message
 
 if TYPE_CHECKING:  # agents sit below rollout; any object with these fields is accepted
@@ -226,7 +227,7 @@ class Agent:
         turn = self._ids[self._turn_start :]
         closed = bool(turn) and turn[-1] in self.stop_token_ids
         text = self._decode(turn[:-1] if closed else turn)
-        message = _name_calls(self.renderer.parse(text), len(self.turn_ends) - int(resume))
+        message = number_calls(self.renderer.parse(text), len(self.turn_ends) - int(resume))
         if resume:
             self.messages[-1] = message
             self.turn_ends[-1] = len(self._ids)
@@ -457,14 +458,6 @@ def _as_messages(observation: Any) -> list[Message]:
     if isinstance(observation, (Message, str, Mapping)):
         observation = [observation]
     return [as_message(m, role="user") for m in observation]
-
-
-def _name_calls(message: Message, turn: int) -> Message:
-    """Give every tool call an id unique within the episode (``call_<turn>_<i>``)."""
-    if not message.tool_calls:
-        return message
-    calls = tuple(replace(c, id=f"call_{turn}_{i}") for i, c in enumerate(message.tool_calls))
-    return replace(message, tool_calls=calls)
 
 
 __all__ = ["Agent", "TurnMarks"]

@@ -19,11 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from palaestra.agents.hermes import HermesParser
-from palaestra.agents.llama import Llama3Parser
-from palaestra.agents.parsing import Parser
-from palaestra.agents.text_protocols import PythonBlockParser, SearchR1Parser
 from palaestra.errors import ConfigError
+from palaestra.tool_parsers import ALIASES as PARSER_ALIASES
+from palaestra.tool_parsers import Parser, get_parser
 from palaestra.types import Message
 
 # End-of-turn tokens a family may emit besides the template's own turn end and the EOS token.
@@ -106,29 +104,23 @@ def _object_arguments(call: dict[str, Any]) -> dict[str, Any]:
 
 
 FAMILIES: dict[str, Renderer] = {
-    "qwen": Renderer("qwen", HermesParser()),
-    "llama3": Renderer("llama3", Llama3Parser(), arguments_as_objects=True),
+    "qwen": Renderer("qwen", get_parser("hermes")),
+    "llama3": Renderer("llama3", get_parser("llama3"), arguments_as_objects=True),
     "search_r1": Renderer(
-        "search_r1", SearchR1Parser(), tools_in_template=False, tool_calls_in_template=False
+        "search_r1", get_parser("search_r1"), tools_in_template=False, tool_calls_in_template=False
     ),
     "python": Renderer(
-        "python", PythonBlockParser(), tools_in_template=False, tool_calls_in_template=False
+        "python", get_parser("python"), tools_in_template=False, tool_calls_in_template=False
     ),
 }
 
+# One alias table for families and tool-call formats (`palaestra.tool_parsers.ALIASES`): a name
+# resolves to its parser, and the parser to the family that uses it.
+_FAMILY_OF_PARSER = {r.parser.name: family for family, r in FAMILIES.items()}
 ALIASES: dict[str, str] = {
-    "hermes": "qwen",
-    "qwen2": "qwen",
-    "qwen2.5": "qwen",
-    "qwen3": "qwen",
-    "llama": "llama3",
-    "llama3.1": "llama3",
-    "llama3.2": "llama3",
-    "llama3.3": "llama3",
-    "search-r1": "search_r1",
-    "searchr1": "search_r1",
-    "python_blocks": "python",
-    "code": "python",
+    name: _FAMILY_OF_PARSER[parser]
+    for name, parser in {**PARSER_ALIASES, **{p: p for p in _FAMILY_OF_PARSER}}.items()
+    if name not in FAMILIES
 }
 
 

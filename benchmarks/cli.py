@@ -4,11 +4,17 @@
         --temperature 0.6 --limit 200 --concurrency 64 --out runs/eval-x
     palaestra eval --benchmark gsm8k,math500 --engine openai --model gpt-4o-mini --rpm 500
     palaestra eval --benchmark hotpotqa --engine sglang --model http://127.0.0.1:30000
+    palaestra eval --benchmark calculator --model runs/quickstart/final-model
     palaestra eval list
     palaestra eval compare runs/eval-base runs/eval-rl
     palaestra eval report runs/eval-x        # rebuild summary.json and report.md from samples
 
 Rerunning the same command resumes: finished samples in ``OUT/samples.jsonl`` are skipped.
+
+A model exported by ``palaestra train`` carries the settings it was trained with
+(``final-model/trained_with.json``: family, tools in the prompt, context, the held-out evaluation's
+sampling, env kwargs); they are used unless a flag overrides them (``--no-trained-settings``:
+ignore the file). Tokens per turn and env kwargs apply to benchmarks on the training env only.
 """
 
 from __future__ import annotations
@@ -38,16 +44,24 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--model", help="checkpoint PATH (local), server URL(s) (sglang), model NAME (openai)")
     m.add_argument("--model-name", default=None, help="name to key samples by (default: from --model)")
     m.add_argument("--tokenizer", default=None, help="tokenizer path (default: the model's)")
-    m.add_argument("--family", default="qwen", help="chat/tool-call family of the model (qwen, llama3, ...)")
-    m.add_argument("--max-context", type=int, default=4096, help="context length of an episode, tokens")
+    m.add_argument("--family", default=None,
+                   help="chat/tool-call family of the model (qwen, llama3, ...; default: as trained, "
+                        "else qwen)")
+    m.add_argument("--max-context", type=int, default=None,
+                   help="context length of an episode, tokens (default: as trained, else 4096)")
+    m.add_argument("--tools-in-prompt", action=argparse.BooleanOptionalAction, default=None,
+                   help="put the env's tool schemas into the chat template (default: as trained, "
+                        "else yes); --no-tools-in-prompt when the env's own prompt describes them")
+    m.add_argument("--no-trained-settings", action="store_true",
+                   help="ignore the settings recorded beside the model (MODEL/trained_with.json)")
     m.add_argument("--base-url", default=None, help="OpenAI-compatible base URL (openai engine)")
     m.add_argument("--api-key-env", default="OPENAI_API_KEY", help="variable holding the API key")
     m.add_argument("--device", default=None, help="device of the local engine (cpu, cuda)")
     s = p.add_argument_group("sampling")
     s.add_argument("--n", type=int, default=1, help="samples per task (pass@k for every k <= n)")
-    s.add_argument("--temperature", type=float, default=0.6)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=-1)
+    s.add_argument("--temperature", type=float, default=None, help="default: as trained, else 0.6")
+    s.add_argument("--top-p", type=float, default=None, help="default: as trained, else 1.0")
+    s.add_argument("--top-k", type=int, default=None, help="default: as trained, else -1 (off)")
     s.add_argument("--max-new-tokens", type=int, default=None, help="per turn (default: per benchmark)")
     s.add_argument("--max-turns", type=int, default=None, help="per episode (default: the env's)")
     s.add_argument("--seed", type=int, default=0, help="base of the per-sample seeds")
@@ -178,12 +192,35 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trained_settings(args: argparse.Namespace) -> tuple[Any, str | None]:
+    """The settings recorded beside ``--model`` (or ``--tokenizer``) and where, or (None, None)."""
+    from palaestra.benchmarks.trained_settings import FILENAME, read_trained_settings
+
+    if args.no_trained_settings:
+        return None, None
+    for folder in (args.model if args.engine == "local" else None, args.tokenizer):
+        if folder and Path(folder).expanduser().is_dir():
+            settings = read_trained_settings(folder)
+            if settings is not None:
+                return settings, str(Path(folder) / FILENAME)
+    return None, None
+
+
+def _first(*values: Any) -> Any:
+    return next(v for v in values if v is not None)
+
+
+def _same_env(a: str, b: str) -> bool:
+    return a.rpartition(":")[2] == b.rpartition(":")[2]  # "module:env/Id-v0" names the same env
+
+
 def _evaluate(args: argparse.Namespace) -> int:
     import asyncio
 
     from palaestra.benchmarks.backends import BackendOptions, build_policy
     from palaestra.benchmarks.registry import resolve
     from palaestra.benchmarks.runner import EvalSettings, evaluate
+    from palaestra.benchmarks.trained_settings import TrainedSettings
     from palaestra.errors import ConfigError
 
     names = _split(args.benchmark)
@@ -191,12 +228,27 @@ def _evaluate(args: argparse.Namespace) -> int:
         raise ConfigError("pass --benchmark NAME (see `palaestra eval list`)")
     if not args.model:
         raise ConfigError("pass --model (a checkpoint path, server URL or API model name)")
-    benchmarks = resolve(names)
+    trained, source = _trained_settings(args)
+    if trained is not None:
+        print(f"settings as trained ({source}): {trained.describe()}; flags override them")
+    t = trained or TrainedSettings(temperature=0.6)  # the defaults without a record
+    tools_in_prompt = _first(args.tools_in_prompt, t.tools_in_prompt)
+    benchmarks = []
+    for b in resolve(names):
+        agent = {**b.agent, "tools_in_prompt": tools_in_prompt}
+        if t.chat_template is not None:
+            agent.setdefault("chat_template", t.chat_template)
+        changes: dict[str, Any] = {"agent": agent}
+        if trained is not None and _same_env(b.env_id, trained.env_id):
+            changes["env_kwargs"] = {**b.env_kwargs, **trained.env_kwargs}
+            if trained.max_new_tokens is not None:
+                changes["max_new_tokens"] = trained.max_new_tokens
+        benchmarks.append(b.with_overrides(**changes))
     settings = EvalSettings(
         n=args.n,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
+        temperature=_first(args.temperature, t.temperature),
+        top_p=_first(args.top_p, t.top_p),
+        top_k=_first(args.top_k, t.top_k),
         max_new_tokens=args.max_new_tokens,
         max_turns=args.max_turns,
         limit=args.limit,
@@ -211,8 +263,9 @@ def _evaluate(args: argparse.Namespace) -> int:
             engine=args.engine,
             model=args.model,
             tokenizer=args.tokenizer,
-            family=args.family,
-            max_context=args.max_context,
+            family=_first(args.family, t.family),
+            max_context=_first(args.max_context, t.max_context),
+            enable_thinking=t.enable_thinking,
             base_url=args.base_url,
             api_key_env=args.api_key_env,
             rpm=args.rpm,
@@ -235,7 +288,9 @@ def _evaluate(args: argparse.Namespace) -> int:
                 datasets=datasets,
                 progress=not args.no_progress,
                 report=not args.no_report,
-                header={"engine": args.engine, "benchmarks": ", ".join(names)},
+                header={"engine": args.engine, "benchmarks": ", ".join(names),
+                        "settings as trained": source or "none recorded",
+                        "tools in prompt": tools_in_prompt},
             )
         finally:
             await policy.close()

@@ -96,13 +96,18 @@ class TrainingEvaluator:
         tokenizer: Any,
         family: str = "qwen",
         max_context: int = 4096,
+        tools_in_prompt: bool = True,
         run_dir: str | Path | None = None,
         progress: bool = False,
     ) -> None:
         from palaestra.benchmarks.registry import resolve
 
         self.config = config
-        self.benchmarks = resolve(config.benchmarks)  # unknown names fail at start-up
+        # unknown names fail at start-up; the agents are the run's (tool schemas in the prompt?)
+        self.benchmarks = [
+            b.with_overrides(agent={**b.agent, "tools_in_prompt": tools_in_prompt})
+            for b in resolve(config.benchmarks)
+        ]
         self.tokenizer = tokenizer
         self.family = family
         self.max_context = max_context

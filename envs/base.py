@@ -1,7 +1,11 @@
 """The message-level environment contract: `Env` (gymnasium) and `MultiTurnEnv`.
 
 Observation = the *new* chat messages of a step (a tuple of `Message`); action = one assistant
-`Message` (a plain string or an OpenAI message dict is accepted and wrapped). The rollout loop
+`Message`, an OpenAI message dict, or plain text. Text is parsed with the env's tool-call format
+(``tool_call_format``: Hermes/Qwen ``<tool_call>{json}</tool_call>`` by default, set per env class
+or with the ``tool_call_format=`` constructor argument; see `palaestra.tool_parsers`), the parser
+agents use for sampled text, so ``env.step('<tool_call>...</tool_call>')`` runs the tool as the
+rollout would; text without a tool call is an answer. The rollout loop
 awaits the async twins `areset`/`astep`; by default they run the sync methods in a thread (set
 ``step_in_thread = False`` for envs whose steps are cheap and non-blocking, or override
 `aon_action` for IO-bound envs).
@@ -27,6 +31,7 @@ import numpy as np
 
 from palaestra.envs.spaces import AssistantMessageSpace, MessagesSpace
 from palaestra.errors import ConfigError
+from palaestra.tool_parsers import Parser, get_parser, number_calls
 from palaestra.types import Message, StopReason, as_message
 
 Observation = tuple[Message, ...]
@@ -64,6 +69,11 @@ class Env(gymnasium.Env[Observation, Message]):
     step_in_thread: ClassVar[bool] = True
     #: Instance attributes left out of `snapshot` (shared resources: retrievers, sandboxes).
     snapshot_exclude: ClassVar[tuple[str, ...]] = ("_dataset",)
+    #: How text actions are parsed (`palaestra.tool_parsers` names; "none": text is content only).
+    tool_call_format: ClassVar[str] = "hermes"
+    #: Fields a task row must carry for ``reset(options={"task": row})``; a tuple entry is met by
+    #: any one of its names. Training configs check their data files against it at load time.
+    task_fields: ClassVar[tuple[str | tuple[str, ...], ...]] = ()
 
     def __init__(
         self,
@@ -71,6 +81,7 @@ class Env(gymnasium.Env[Observation, Message]):
         dataset: Sequence[Mapping[str, Any]] | None = None,
         max_turns: int = 1,
         render_mode: str | None = None,
+        tool_call_format: str | None = None,
     ) -> None:
         if max_turns < 1:
             raise ConfigError(f"max_turns must be >= 1, got {max_turns}")
@@ -80,6 +91,7 @@ class Env(gymnasium.Env[Observation, Message]):
         self.action_space = AssistantMessageSpace()
         self.render_mode = render_mode
         self.max_turns = max_turns
+        self.text_parser = _text_parser(tool_call_format or type(self).tool_call_format)
         self._dataset = list(dataset) if dataset is not None else None
         self.task: dict[str, Any] | None = None
         self.turn = 0
@@ -118,6 +130,27 @@ class Env(gymnasium.Env[Observation, Message]):
     def tool_schemas(self) -> list[dict[str, Any]]:
         """OpenAI function schemas of the tools this env offers (none by default)."""
         return []
+
+    def message_from_text(self, text: str) -> Message:
+        """The assistant message of a text action: its tool calls parsed with the env's format.
+
+        Calls get ids ``call_<turn>_<i>`` (unique in the episode), as the agents give them.
+        """
+        parser = getattr(self, "text_parser", None)
+        if parser is None:
+            return Message(role="assistant", content=text)
+        return number_calls(parser.parse(text), self.turn)
+
+    @classmethod
+    def task_problems(cls, task: Mapping[str, Any]) -> list[str]:
+        """Why ``task`` cannot start an episode (empty: it can), without building the env;
+        the default checks `task_fields`."""
+        missing = []
+        for entry in cls.task_fields:
+            names = (entry,) if isinstance(entry, str) else entry
+            if all(task.get(name) is None for name in names):
+                missing.append(" or ".join(repr(name) for name in names))
+        return [f"missing {', '.join(missing)}"] if missing else []
 
     # ----- gymnasium API ------------------------------------------------------------------
     @property
@@ -165,7 +198,7 @@ class Env(gymnasium.Env[Observation, Message]):
             raise gymnasium.error.ResetNeeded("call reset() before step()")
         if self.done:
             raise gymnasium.error.ResetNeeded("the episode is over; call reset() first")
-        message = as_message(action)
+        message = self.message_from_text(action) if isinstance(action, str) else as_message(action)
         if message.role != "assistant":
             raise ValueError(f"an action must be an assistant message, got role {message.role!r}")
         self.turn += 1
@@ -213,6 +246,10 @@ class Env(gymnasium.Env[Observation, Message]):
         clone.__dict__ = dict(self.__dict__)
         clone.restore(self.snapshot())
         return clone
+
+
+def _text_parser(name: str) -> Parser | None:
+    return None if name.strip().lower() == "none" else get_parser(name)
 
 
 class MultiTurnEnv(Env):

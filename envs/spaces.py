@@ -1,7 +1,7 @@
 """Gymnasium spaces over chat messages, accepted by ``gymnasium.utils.env_checker.check_env``.
 
 An observation is a tuple of new `Message`s; an action is one assistant `Message` (or a plain
-string, which the env wraps). ``sample()`` draws short random texts so the checker can step an env.
+string, which the env parses into one with its tool-call format). ``sample()`` draws short random texts so the checker can step an env.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class MessagesSpace(gymnasium.spaces.Space[tuple[Message, ...]]):
 
 
 class AssistantMessageSpace(gymnasium.spaces.Space[Message]):
-    """One assistant message; plain strings are members too (they are wrapped on ``step``)."""
+    """One assistant message; plain strings are members too (they are parsed on ``step``)."""
 
     def __init__(self, seed: int | None = None):
         super().__init__(shape=None, dtype=None, seed=seed)

@@ -179,3 +179,35 @@ def test_template_that_rewrites_the_last_turn(tokenizer, sample_text, calculator
     report = agent.drift()
     empty_think = tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False)
     assert report.mismatches == len(empty_think)
+
+
+async def test_pooled_agents_check_drift_at_the_configured_rate(tokenizer_dir):
+    """Workers reuse agents across episodes; each episode is checked with probability
+    ``drift_rate`` (drawn once, in `Agent.start`), not ``drift_rate**2``."""
+    from palaestra.agents import AgentSpec
+    from palaestra.rollout import (
+        DataSource,
+        EngineSpec,
+        RolloutConfig,
+        RolloutManager,
+        WorkerConfig,
+    )
+    from palaestra.rollout.engines.base import SamplingParams
+    from palaestra.rollout.engines.scripted import ScriptedEngine
+    from palaestra.rollout.testing import CalculatorPolicy
+
+    rows = [{"env_id": "palaestra/Calculator-v0", "id": f"t{i}", "question": f"What is {i} + 1?",
+             "answer": str(i + 1)} for i in range(100)]
+    engine = ScriptedEngine(CalculatorPolicy(str(tokenizer_dir)))
+    spec = AgentSpec(str(tokenizer_dir), drift_rate=0.5)
+    wc = WorkerConfig(engine=EngineSpec(), agent=spec, sampling=SamplingParams(max_new_tokens=64))
+    cfg = RolloutConfig(batch_size=10, group_size=4, num_workers=1, max_concurrency=8)
+    checked = []
+    async with RolloutManager(DataSource(rows), wc, cfg, cluster="local", engine=engine) as m:
+        for step in range(10):  # 400 episodes, played by at most 8 (then reused) agents
+            batch = await m.generate_batch(step)
+            checked += [s.metrics["drift_checked"] for s in batch.samples]
+    assert len(checked) == 400
+    rate = sum(checked) / len(checked)
+    # binomial(400, 0.5): sd 0.025; the squared rate (0.25) is 10 sd away
+    assert abs(rate - 0.5) < 0.1, rate

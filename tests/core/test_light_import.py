@@ -25,3 +25,13 @@ def test_cli_help_is_fast_and_light():
     assert _loaded_after("from palaestra.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass") == set()
     out = subprocess.run([sys.executable, "-m", "palaestra", "--help"], capture_output=True, text=True)
     assert out.returncode == 0 and "train" in out.stdout
+
+
+def test_subpackages_are_attributes_loaded_on_first_use():
+    code = (
+        "import sys, palaestra\n"
+        "assert 'palaestra.envs' not in sys.modules and 'envs' in dir(palaestra)\n"
+        "env = palaestra.envs.make('palaestra/Calculator-v0')\n"
+        "assert palaestra.tool_parsers.get_parser('qwen').name == 'hermes'\n"
+    )
+    assert _loaded_after(code) == set()

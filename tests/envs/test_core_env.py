@@ -230,3 +230,132 @@ def test_env_is_gymnasium_env():
     import gymnasium
 
     assert issubclass(Env, gymnasium.Env)
+
+
+# ----- text actions: tool calls parsed with the env's tool-call format ------------------------
+
+CALC_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>'
+
+
+def test_text_tool_call_runs_the_tool_on_calculator():
+    from palaestra import envs
+
+    env = envs.make("palaestra/Calculator-v0")
+    env.reset(seed=0)
+    obs, reward, terminated, truncated, info = env.step(CALC_CALL)
+    assert obs == (Message("tool", "4", tool_call_id="call_0_0", name="calculator"),)
+    assert (reward, terminated, truncated, info["tool_calls"]) == (0.0, False, False, 1)
+    gold = env.task["answer"]
+    obs, reward, terminated, _, info = env.step(f"The result is <answer>{gold}</answer>")
+    assert (obs, reward, terminated, info["correct"]) == ((), 1.0, True, True)
+
+
+def test_text_without_a_tool_call_is_an_answer_and_keeps_its_content():
+    env = _env()
+    _, reward, terminated, _, _ = env.step("I am done")
+    assert (reward, terminated) == (1.0, True)
+    assert env.history[-1] == Message("assistant", "I am done")
+
+
+def test_text_with_several_calls_and_text_before_them():
+    env = _env()
+    text = ('Let me add. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 5}}</tool_call>')
+    obs, *_ = env.step(text)
+    assert [(m.content, m.tool_call_id) for m in obs] == [("1", "call_0_0"), ("7", "call_0_1")]
+    assert env.history[-3].content == "Let me add."  # the action as parsed
+    obs, *_ = env.step('<tool_call>{"name": "add", "arguments": {"a": 3}}</tool_call>')
+    assert obs[0].tool_call_id == "call_1_0"  # ids stay unique within the episode
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>', "invalid JSON in <tool_call>"),
+        ('<tool_call>{"name": "add", "arguments": {"a": 1}}', "unclosed <tool_call> tag"),
+        ('<tool_call>{"name": "add"} extra</tool_call>', "unexpected text after the JSON object"),
+        ('<tool_call>{"arguments": {}}</tool_call>', 'the call has no "name" string'),
+        ('<tool_call>{"name": "nope", "arguments": {}}</tool_call>', "unknown tool 'nope'"),
+        ('<tool_call>{"name": "add", "arguments": {"a": "x"}}</tool_call>', "a: Input should be a valid integer"),
+    ],
+)
+def test_malformed_text_tool_calls_become_error_observations(text, expected):
+    env = _env()
+    obs, _, terminated, _, info = env.step(text)
+    assert len(obs) == 1 and obs[0].content.startswith("Error: ") and expected in obs[0].content
+    assert not terminated and info["tool_errors"] == 1
+
+
+def test_a_tool_call_inside_a_think_block_is_not_a_call():
+    env = _env()
+    _, reward, terminated, _, _ = env.step(
+        '<think>maybe <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call></think>done')
+    assert (reward, terminated) == (1.0, True)
+    assert env.history[-1].reasoning_content.startswith("maybe")
+
+
+async def test_async_step_parses_text_too():
+    env = _env()
+    obs, *_ = await env.astep('<tool_call>{"name": "add", "arguments": {"a": 4, "b": 4}}</tool_call>')
+    assert obs[0].content == "8"
+
+
+class LlamaToolsEnv(EchoToolsEnv):
+    tool_call_format = "llama3"
+
+
+def test_tool_call_format_per_env_class_and_per_instance():
+    from palaestra.errors import ConfigError
+
+    llama_call = '{"name": "add", "parameters": {"a": 2, "b": 2}}'
+    env = LlamaToolsEnv(dataset=[{"question": "q"}])
+    env.reset(seed=0)
+    obs, *_ = env.step(llama_call)
+    assert obs[0].content == "4"
+    # the constructor argument beats the class default: Hermes text is no call for Llama
+    env = LlamaToolsEnv(dataset=[{"question": "q"}], tool_call_format="qwen")
+    env.reset(seed=0)
+    obs, *_ = env.step('<tool_call>{"name": "add", "arguments": {"a": 3}}</tool_call>')
+    assert obs[0].content == "3"
+    # "none": text is only content, never a call
+    env = EchoToolsEnv(dataset=[{"question": "q"}], tool_call_format="none")
+    env.reset(seed=0)
+    _, _, terminated, _, _ = env.step(CALC_CALL)
+    assert terminated and env.history[-1].content == CALC_CALL
+    with pytest.raises(ConfigError, match="unknown tool-call format 'xml'"):
+        EchoToolsEnv(dataset=[{"question": "q"}], tool_call_format="xml")
+
+
+def test_text_actions_parse_like_the_agents_do():
+    """One parser: the env's text path and the agent's sampled-text path give the same message."""
+    from palaestra.agents import get_renderer
+    from palaestra.tool_parsers import number_calls
+
+    text = '<think>add</think>Sure. <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+    parsed = _env().message_from_text(text)
+    assert parsed == number_calls(get_renderer("qwen").parse(text), 0)
+    assert (parsed.content, parsed.reasoning_content, parsed.tool_calls[0].name) == (
+        "Sure.", "add", "add")
+
+
+def test_palaestra_exposes_subpackages_lazily():
+    import palaestra
+
+    assert palaestra.envs.make is not None and palaestra.agents.AgentSpec is not None
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        palaestra.nope  # noqa: B018
+
+
+def test_envs_parse_text_without_importing_agents():
+    """The dependency direction (envs below agents) holds on the text-action path."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, palaestra.envs as envs\n"
+        "env = envs.make('palaestra/Calculator-v0'); env.reset(seed=0)\n"
+        f"assert env.step({CALC_CALL!r})[0][0].content == '4'\n"
+        "print(sorted(m for m in sys.modules if m.startswith('palaestra.agents')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
