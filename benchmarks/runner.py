@@ -244,6 +244,7 @@ async def evaluate(
                 "max_new_tokens": settings.max_new_tokens or b.max_new_tokens,
                 "env_kwargs": {**b.env_kwargs, **env_kwargs.get(b.name, {})},
                 "dataset": _describe_source(datasets.get(b.name, b.dataset)),
+                "agent": dict(b.agent),
             }
             for b in resolved
         }

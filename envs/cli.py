@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from typing import Any
 
 
@@ -44,25 +43,6 @@ def run(args: argparse.Namespace) -> int:
     return _play(args.id, args.seed, json.loads(args.kwargs))
 
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-
-
-def _typed_action(text: str) -> Any:
-    """Turn a typed line into an assistant message, parsing ``<tool_call>{json}</tool_call>``."""
-    from palaestra.types import Message, ToolCall
-
-    calls = []
-    for i, body in enumerate(_TOOL_CALL.findall(text)):
-        try:
-            data = json.loads(body)
-            calls.append(
-                ToolCall(name=str(data.get("name", "")), arguments=json.dumps(data.get("arguments", {})), id=f"call_{i}")
-            )
-        except (json.JSONDecodeError, AttributeError) as exc:
-            calls.append(ToolCall(name="", arguments=body, id=f"call_{i}", parse_error=str(exc)))
-    return Message(role="assistant", content=text, tool_calls=tuple(calls))
-
-
 def _play(env_id: str, seed: int, kwargs: dict[str, Any]) -> int:
     import palaestra.envs as envs
 
@@ -80,7 +60,7 @@ def _play(env_id: str, seed: int, kwargs: dict[str, Any]) -> int:
         except EOFError:
             print()
             break
-        observation, reward, terminated, truncated, step_info = env.step(_typed_action(line))
+        observation, reward, terminated, truncated, step_info = env.step(line)  # text: tool calls parsed by the env
         total += reward
         print(f"  reward={reward:g} terminated={terminated} truncated={truncated} {step_info}")
         if terminated or truncated:

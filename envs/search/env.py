@@ -85,6 +85,9 @@ def qa_metrics(answer: str | None, golds: Sequence[str]) -> dict[str, Any]:
 class _SearchTaskMixin:
     """Dataset and retriever handling shared by the two Search-R1 envs."""
 
+    task_fields: ClassVar[tuple[str | tuple[str, ...], ...]] = (
+        "question", ("golden_answers", "answer", "answers", "target"))
+
     _retriever: Retriever | None
     dataset_source: str | Path
 
@@ -129,6 +132,8 @@ def _split_dataset(dataset: Any) -> tuple[str | Path, Sequence[Mapping[str, Any]
 class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
     """Search-R1: reason, <search> a Wikipedia corpus, <answer>; exact-match reward.
 
+    Text actions (``env.step(str)``) parse like the ``search_r1`` agent family does.
+
     Task: a question from ``{"question", "golden_answers": [...]}`` (NQ-open's
     ``{"question", "answer": [...]}`` is accepted). The prompt is Search-R1's instruction as one
     user message.
@@ -151,6 +156,8 @@ class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
     the 3,610 NQ-open dev questions (CC BY-SA 3.0), meant for a full-Wikipedia retriever given by
     URL; or the path of a JSONL file of task rows. See ``data/search/SOURCE.md``.
     """
+
+    tool_call_format: ClassVar[str] = "search_r1"
 
     step_in_thread: ClassVar[bool] = False
     snapshot_exclude: ClassVar[tuple[str, ...]] = ("_retriever", "_dataset")
