@@ -52,10 +52,11 @@ def register_builtin() -> None:
         register(env_id, entry_point)
 
 
-def make(env_id: str, **kwargs: Any) -> Any:
-    """Create an env by id (``palaestra/Calculator-v0`` or ``some.module:Their-v0``).
+def lookup(env_id: str) -> tuple[str, Any]:
+    """The bare gymnasium id and `EnvSpec` registered as ``env_id``, without building the env.
 
-    Returns the env itself, not wrapped, so the async and snapshot methods stay reachable.
+    ``some.module:Their-v0`` imports ``some.module`` first (it registers its envs). Raises
+    `EnvNotFoundError` naming the close matches when the id is not registered.
     """
     register_builtin()
     module, _, bare_id = env_id.rpartition(":")
@@ -66,14 +67,24 @@ def make(env_id: str, **kwargs: Any) -> Any:
             raise EnvNotFoundError(
                 f"cannot import {module!r} to find {bare_id!r} ({exc}); is the package installed?"
             ) from None
-    if bare_id not in gymnasium.registry:
-        close = difflib.get_close_matches(bare_id, list(gymnasium.registry), n=3)
+    spec = gymnasium.registry.get(bare_id)
+    if spec is None:
+        close = difflib.get_close_matches(bare_id, list(gymnasium.registry), n=3, cutoff=0.8)
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise EnvNotFoundError(
             f"no environment registered as {bare_id!r}.{hint} Did you register it, or import the "
             "package that registers it (make('your.module:YourEnv-v0') imports it for you)? "
             "`palaestra envs list` shows what is registered."
         )
+    return bare_id, spec
+
+
+def make(env_id: str, **kwargs: Any) -> Any:
+    """Create an env by id (``palaestra/Calculator-v0`` or ``some.module:Their-v0``).
+
+    Returns the env itself, not wrapped, so the async and snapshot methods stay reachable.
+    """
+    bare_id, _ = lookup(env_id)
     try:
         env = gymnasium.make(bare_id, **kwargs)
     except ImportError as exc:

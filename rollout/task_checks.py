@@ -31,27 +31,9 @@ def env_class(env_id: str) -> type | None:
 
     Raises `EnvNotFoundError` with the close matches when the id is not registered.
     """
-    import gymnasium
+    from palaestra.envs.registry import lookup
 
-    from palaestra.envs.registry import register_builtin
-
-    register_builtin()
-    module, _, bare_id = env_id.rpartition(":")
-    if module:
-        try:
-            importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            raise EnvNotFoundError(
-                f"cannot import {module!r} to find {bare_id!r} ({exc}); is the package installed?"
-            ) from None
-    spec = gymnasium.registry.get(bare_id)
-    if spec is None:
-        close = difflib.get_close_matches(bare_id, list(gymnasium.registry), n=3, cutoff=0.8)
-        hint = f" Did you mean {', '.join(close)}?" if close else ""
-        raise EnvNotFoundError(
-            f"no environment registered as {bare_id!r}.{hint} `palaestra envs list` shows what is "
-            "registered; an env of your own is 'your.module:YourEnv-v0' (the module registers it)"
-        )
+    _, spec = lookup(env_id)
     entry = spec.entry_point
     if isinstance(entry, str):
         module_name, _, attr = entry.partition(":")

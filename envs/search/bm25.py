@@ -1,5 +1,8 @@
 """Local BM25 retriever over a JSONL corpus (``bm25s``), built on first use and cached on disk.
 
+A query gets at most ``topk`` documents, only those that share a term with it: an empty,
+stop-word-only or out-of-vocabulary query gets none (an explicit empty result).
+
 The index of a corpus is stored under ``$PALAESTRA_CACHE_DIR/bm25/<key>`` (default
 ``~/.cache/palaestra``), where the key hashes the corpus bytes, the BM25 parameters and the
 ``bm25s`` version, so a changed corpus is re-indexed and concurrent builders never see half an
@@ -162,8 +165,10 @@ class BM25Retriever(Retriever):
                 queries, update_vocab=False, show_progress=False, return_as="string"
             )
             indices, scores = self._model.retrieve(tokens, k=k, show_progress=False, n_threads=1)
+        # a document with score 0 shares no term with the query (BM25's idf is positive): an
+        # empty, stop-word-only or unknown-word query has no hits, not k arbitrary documents
         return [
-            [Hit(self._documents[int(i)], float(s)) for i, s in zip(row_i, row_s)]
+            [Hit(self._documents[int(i)], float(s)) for i, s in zip(row_i, row_s) if s > 0]
             for row_i, row_s in zip(indices, scores)
         ]
 

@@ -20,7 +20,8 @@ class Retriever(abc.ABC):
 
     @abc.abstractmethod
     def search(self, queries: Sequence[str], topk: int) -> list[list[Hit]]:
-        """Blocking search; one hit list per query, best first."""
+        """Blocking search; one hit list per query, best first, at most ``topk`` long (empty
+        when nothing matches the query)."""
 
     async def asearch(self, queries: Sequence[str], topk: int) -> list[list[Hit]]:
         """Async search (the default runs `search` in a worker thread)."""

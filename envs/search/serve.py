@@ -6,7 +6,11 @@
 Endpoints: ``POST /retrieve`` with ``{"queries": [str], "topk": int|null, "return_scores": bool}``
 answers ``{"result": [[{"document": {"id", "contents"}, "score"}]]}`` (bare documents when
 ``return_scores`` is false), as Search-R1's ``retrieval_server.py`` does; ``GET /health``.
-Point an env at it with ``retriever="http://HOST:PORT/retrieve"``.
+A query that matches no document (empty, only stop words, unknown words) gets an empty list.
+Requests are checked strictly and every problem is reported at once in a 400
+``{"error": "...", "problems": [...]}``: ``queries`` a list of strings, ``topk`` an integer in
+``[1, 100]`` or null, ``return_scores`` ``true`` or ``false`` (``"no"`` is not false), no other
+fields. Point an env at it with ``retriever="http://HOST:PORT/retrieve"``.
 """
 
 from __future__ import annotations
@@ -21,10 +25,53 @@ MAX_QUERIES = 1024
 MAX_TOPK = 100
 
 
-def _error(status: int, message: str) -> Any:
+REQUEST_FIELDS = ("queries", "topk", "return_scores")
+
+
+def _error(status: int, message: str, problems: list[str] | None = None) -> Any:
     from aiohttp import web
 
-    return web.json_response({"error": message}, status=status)
+    body: dict[str, Any] = {"error": message}
+    if problems:
+        body["problems"] = problems
+    return web.json_response(body, status=status)
+
+
+def _type(value: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+             list: "a list", dict: "an object", type(None): "null"}
+    return f"{value!r:.40} ({names.get(type(value), type(value).__name__)})"
+
+
+def check_request(body: Any, default_topk: int) -> tuple[list[str], int, bool, list[str]]:
+    """``(queries, topk, return_scores, problems)`` of a ``/retrieve`` body; no coercion."""
+    if not isinstance(body, dict):
+        usage = '{"queries": [...], "topk": 3, "return_scores": true}'
+        return [], default_topk, False, [f"the body must be a JSON object: {usage}"]
+    problems = []
+    extra = sorted(str(k) for k in body if k not in REQUEST_FIELDS)
+    if extra:
+        problems.append(f"unknown field(s) {extra}; the fields are {list(REQUEST_FIELDS)}")
+    queries = body.get("queries")
+    if "queries" not in body:
+        problems.append("'queries' is required: a list of strings")
+    elif not isinstance(queries, list):
+        problems.append(f"'queries' must be a list of strings, got {_type(queries)}")
+    else:
+        bad = [i for i, q in enumerate(queries) if not isinstance(q, str)]
+        if bad:
+            problems.append(f"'queries' must be a list of strings: queries[{bad[0]}] is "
+                            f"{_type(queries[bad[0]])}")
+        if len(queries) > MAX_QUERIES:
+            problems.append(f"at most {MAX_QUERIES} queries per request, got {len(queries)}")
+    topk = body.get("topk")
+    topk = default_topk if topk is None else topk
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= MAX_TOPK:
+        problems.append(f"'topk' must be an integer in [1, {MAX_TOPK}] or null, got {_type(topk)}")
+    scores = body.get("return_scores", False)
+    if not isinstance(scores, bool):
+        problems.append(f"'return_scores' must be true or false, got {_type(scores)}")
+    return (queries if not problems else []), topk, scores is True, problems
 
 
 def create_app(retriever: Retriever, default_topk: int = 3) -> Any:
@@ -36,19 +83,11 @@ def create_app(retriever: Retriever, default_topk: int = 3) -> Any:
             body = await request.json()
         except ValueError:
             return _error(400, "the body must be JSON: {\"queries\": [...], \"topk\": 3}")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
-        queries = body.get("queries")
-        if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
-            return _error(400, "'queries' must be a list of strings")
-        if len(queries) > MAX_QUERIES:
-            return _error(400, f"at most {MAX_QUERIES} queries per request, got {len(queries)}")
-        topk = body.get("topk")
-        topk = default_topk if topk is None else topk
-        if not isinstance(topk, int) or isinstance(topk, bool) or not 1 <= topk <= MAX_TOPK:
-            return _error(400, f"'topk' must be an integer in [1, {MAX_TOPK}] or null")
-        hits = await retriever.asearch(queries, topk)
-        if body.get("return_scores", False):
+        queries, topk, with_scores, problems = check_request(body, default_topk)
+        if problems:
+            return _error(400, "; ".join(problems), problems)
+        hits = await retriever.asearch(queries, topk) if queries else []
+        if with_scores:
             result: list[list[Any]] = [
                 [{"document": h.document.to_dict(), "score": h.score} for h in row] for row in hits
             ]
@@ -80,7 +119,10 @@ def run(args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from palaestra.envs.search.bm25 import BM25Retriever
+    from palaestra.errors import ConfigError
 
+    if not 1 <= args.topk <= MAX_TOPK:
+        raise ConfigError(f"--topk must be in [1, {MAX_TOPK}], got {args.topk}")
     retriever = BM25Retriever(args.corpus, k1=args.k1, b=args.b)
     print(f"indexing {retriever.corpus_path} (cached under {retriever.cache_dir}) ...", flush=True)
     retriever.search(["warm up"], 1)

@@ -12,8 +12,11 @@ manager judges and batches:
   from, so posted groups join batches like any other group (filters, failure policy, staleness,
   the ledger of drawn tasks).
 
-Like slime's rollout buffer, but every post is validated before anything is stored, a post is
-taken whole or not at all, and a group never takes more trajectories than its size.
+Like slime's rollout buffer, but every post is validated before anything is stored (every
+problem of it reported at once), a post is taken whole or not at all, a group never takes more
+trajectories than its size, and sizes are capped (`PostLimits`: tokens per sample, samples per
+trajectory, metadata bytes, trajectories per group). `parse` is pure (the server runs it in a
+worker thread, off the event loop) and `store` keeps what it returned.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from palaestra.errors import ConfigError
-from palaestra.rollout.gateway.validation import BufferConflictError, parse_post
+from palaestra.rollout.gateway.validation import BufferConflictError, PostLimits, parse_post
 from palaestra.rollout.worker import GroupResult
 from palaestra.types import Trajectory
 
@@ -47,6 +50,9 @@ class TrajectoryBuffer:
     ``vocab_size`` bounds token ids (the policy's vocabulary); ``version`` is the policy version
     given to sampled tokens of posts without ``versions`` (set it after each weight update);
     ``name`` registers the buffer in this process for `BufferSource` and the external env.
+    ``max_tokens`` (tokens per sample; the gateway passes the policy's context),
+    ``max_samples``, ``max_metadata_bytes`` and ``max_group_size`` bound what a post may hold
+    (None: unbounded); see `PostLimits`.
     """
 
     def __init__(
@@ -55,15 +61,28 @@ class TrajectoryBuffer:
         vocab_size: int | None,
         group_size: int | None = None,
         max_tokens: int | None = None,
+        max_samples: int | None = PostLimits.max_samples,
+        max_metadata_bytes: int | None = PostLimits.max_metadata_bytes,
+        max_group_size: int | None = PostLimits.max_group_size,
         max_open_groups: int = 100_000,
         version: int = 0,
         name: str | None = None,
     ) -> None:
         if group_size is not None and group_size < 1:
             raise ConfigError(f"group_size must be >= 1, got {group_size}")
+        for field_name, cap in (("max_tokens", max_tokens), ("max_samples", max_samples),
+                                ("max_metadata_bytes", max_metadata_bytes),
+                                ("max_group_size", max_group_size)):
+            if cap is not None and cap < 1:
+                raise ConfigError(f"{field_name} must be >= 1 or None (unbounded), got {cap}")
+        if group_size is not None and max_group_size is not None and group_size > max_group_size:
+            raise ConfigError(f"group_size {group_size} exceeds max_group_size {max_group_size}")
         self.vocab_size = vocab_size
         self.group_size = group_size
         self.max_tokens = max_tokens
+        self.max_samples = max_samples
+        self.max_metadata_bytes = max_metadata_bytes
+        self.max_group_size = max_group_size
         self.max_open_groups = max_open_groups
         self.version = version
         self._groups: OrderedDict[str, _Group] = OrderedDict()
@@ -85,14 +104,33 @@ class TrajectoryBuffer:
         return _BUFFERS[name]
 
     # ------------------------------------------------------------------ adding
+    @property
+    def limits(self) -> PostLimits:
+        return PostLimits(vocab_size=self.vocab_size, max_tokens=self.max_tokens,
+                          max_samples=self.max_samples,
+                          max_metadata_bytes=self.max_metadata_bytes,
+                          max_group_size=self.max_group_size)
+
     def add(self, payload: Any) -> dict[str, Any]:
         """Validate and store one ``POST /trajectories`` body (all of it or nothing)."""
         try:
-            items, size = parse_post(payload, vocab_size=self.vocab_size, version=self.version,
-                                     max_tokens=self.max_tokens)
+            parsed = self.parse(payload)
         except Exception:
-            self.counters["rejected_posts"] += 1
+            self.reject()
             raise
+        return self.store(*parsed)
+
+    def parse(self, payload: Any) -> tuple[list[tuple[str, Trajectory]], int | None]:
+        """Validate a post against the buffer's limits (pure; safe in a worker thread)."""
+        return parse_post(payload, version=self.version, limits=self.limits)
+
+    def reject(self) -> None:
+        """Count a refused post (`parse` raised)."""
+        self.counters["rejected_posts"] += 1
+
+    def store(self, items: Sequence[tuple[str, Trajectory]], size: int | None
+              ) -> dict[str, Any]:
+        """Store the trajectories `parse` returned, all or none (conflicts raise before any)."""
         by_group: OrderedDict[str, list[Trajectory]] = OrderedDict()
         for gid, traj in items:
             by_group.setdefault(gid, []).append(traj)
@@ -132,6 +170,10 @@ class TrajectoryBuffer:
             raise BufferConflictError(
                 f"group {group_id!r} was started with group_size={group.size}, not {size}")
         have = len(group.trajectories) if group is not None else 0
+        if self.max_group_size is not None and have + count > self.max_group_size:
+            raise BufferConflictError(
+                f"group {group_id!r} would hold {have + count} trajectories; a group holds at "
+                f"most {self.max_group_size} (max_group_size)")
         if expected is not None and have + count > expected:
             raise BufferConflictError(
                 f"group {group_id!r} would hold {have + count} trajectories; its size is "

@@ -9,7 +9,9 @@
 Trajectories are wire dicts (see `palaestra.rollout.gateway.validation`) or `Trajectory` objects.
 `post` is synchronous (standard library only, for generator processes without an event loop);
 `apost` is its asyncio twin. A refused post raises `TrajectoryValidationError` with the server's
-reason; an unreachable server raises `RolloutError`.
+reason; an unreachable server raises `RolloutError`. ``api_key`` is sent as
+``Authorization: Bearer <key>`` (a gateway started with ``--api-key``; taking groups needs its
+admin key when it has one).
 """
 
 from __future__ import annotations
@@ -29,9 +31,17 @@ from palaestra.types import Trajectory
 class TrajectoryClient:
     """Client of ``POST /trajectories`` on a gateway / rollout buffer server."""
 
-    def __init__(self, url: str, *, timeout_s: float = 60.0) -> None:
+    def __init__(self, url: str, *, timeout_s: float = 60.0, api_key: str | None = None) -> None:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self.api_key = api_key
+
+    @property
+    def headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
 
     @staticmethod
     def payload(
@@ -80,7 +90,7 @@ class TrajectoryClient:
     def _call(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         request = urllib.request.Request(
             f"{self.url}{path}", data=json.dumps(body).encode(), method="POST",
-            headers={"Content-Type": "application/json"})
+            headers=self.headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as resp:
                 return dict(json.loads(resp.read()))
@@ -103,8 +113,7 @@ class TrajectoryClient:
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
             async with aiohttp.ClientSession(timeout=timeout) as http, http.post(
-                f"{self.url}/trajectories", data=json.dumps(body),
-                headers={"Content-Type": "application/json"},
+                f"{self.url}/trajectories", data=json.dumps(body), headers=self.headers,
             ) as resp:
                 raw = await resp.read()
                 if resp.status >= 400:

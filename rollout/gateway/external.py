@@ -142,12 +142,18 @@ async def run_external_episode(
 
 
 async def _claim_http(url: str, group_id: str) -> Trajectory:
+    """Claim over HTTP; a gateway with keys gets ``PALAESTRA_ADMIN_API_KEY`` (else
+    ``PALAESTRA_API_KEY``) of this process as its Bearer token."""
+    import os
+
     import aiohttp
 
     from palaestra.rollout.gateway.validation import parse_trajectory
 
+    key = os.environ.get("PALAESTRA_ADMIN_API_KEY") or os.environ.get("PALAESTRA_API_KEY")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with aiohttp.ClientSession() as http, http.post(
-        f"{url.rstrip('/')}/trajectories/claim", json={"group_id": group_id}
+        f"{url.rstrip('/')}/trajectories/claim", json={"group_id": group_id}, headers=headers
     ) as resp:
         body = await resp.json(content_type=None)
         if resp.status >= 400:

@@ -16,7 +16,6 @@ The HTTP side lives in `palaestra.rollout.gateway.server`; this class is usable 
 from __future__ import annotations
 
 import asyncio
-import math
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -25,13 +24,16 @@ from typing import Any
 
 from palaestra.errors import ConfigError, EngineError
 from palaestra.rollout.engines.base import Engine, Generation, SamplingParams
+from palaestra.rollout.gateway.bodies import check_chat_fields
+from palaestra.rollout.gateway.checks import Problems
+from palaestra.rollout.gateway.engine_info import is_context_overflow
 from palaestra.rollout.gateway.session import GatewayError, Session, SessionLimits
 from palaestra.rollout.gateway.template import ChatTokens
 from palaestra.types import Message
 
 MAX_ABORTS = 200  # a call whose generation is aborted more often than this fails
-_UNSUPPORTED = {"n": (None, 1), "top_logprobs": (None, 0), "functions": (None,),
-                "response_format": (None, {"type": "text"})}
+DEFAULT_MAX_CONTEXT = 4096  # tokens per sample when neither the caller nor the engine says
+_UNSUPPORTED = {"functions": (None,), "response_format": (None, {"type": "text"})}
 
 
 @dataclass(frozen=True)
@@ -60,16 +62,26 @@ class Gateway:
         *,
         model_name: str = "policy",
         sampling: SamplingParams | None = None,
-        max_context: int = 4096,
+        max_context: int | None = None,
         honor_client_sampling: bool = False,
         auto_sessions: bool = False,
         enable_thinking: bool | None = None,
     ) -> None:
+        """``max_context``: tokens per sample; never more than an in-process engine's
+        ``max_model_len`` (an HTTP engine's context is found by
+        `palaestra.rollout.gateway.engine_info.engine_context`, which ``palaestra gateway``
+        passes here)."""
         self.engine = engine
         self.chat = ChatTokens(tokenizer, family, enable_thinking=enable_thinking)
         self.model_name = model_name
         self.sampling = sampling or SamplingParams(max_new_tokens=512)
-        self.max_context = int(max_context)
+        engine_limit = getattr(engine, "max_model_len", None)
+        if not isinstance(engine_limit, int) or isinstance(engine_limit, bool) or engine_limit < 1:
+            engine_limit = None
+        if max_context is not None and int(max_context) < 1:
+            raise ConfigError(f"max_context must be a positive token count, got {max_context}")
+        limits = [n for n in (max_context, engine_limit) if n is not None]
+        self.max_context = int(min(limits)) if limits else DEFAULT_MAX_CONTEXT
         self.honor_client_sampling = honor_client_sampling
         self.auto_sessions = auto_sessions
         self.sessions: dict[str, Session] = {}
@@ -96,7 +108,7 @@ class Gateway:
         limits = SessionLimits(
             max_calls=max_calls,
             call_timeout_s=call_timeout_s,
-            max_context=int(max_context or self.max_context),
+            max_context=min(int(max_context or self.max_context), self.max_context),
             max_samples=max_samples,
         )
         session = Session(sid, self.chat, sampling or self.sampling, limits,
@@ -132,7 +144,15 @@ class Gateway:
 
     # ------------------------------------------------------------------ completions
     async def complete(self, session: Session, body: Mapping[str, Any]) -> Completion:
-        """Answer one chat request of ``session`` (raises `GatewayError` for refusals)."""
+        """Answer one chat request of ``session`` (raises `GatewayError` for refusals).
+
+        A request whose conversation does not fit the context (the gateway's limit, or the
+        engine's when it refuses for length) is answered ``400 context_length_exceeded`` and ends
+        the session with stop reason ``context`` (the episode is truncated)."""
+        if isinstance(body, Mapping):
+            problems = Problems()
+            check_chat_fields(body, problems)
+            problems.raise_if_any("the chat completion request was refused")
         messages, tools = _parse_request(body)
         async with session.lock:
             session.check_open()
@@ -158,6 +178,11 @@ class Gateway:
                              f"{session.limits.call_timeout_s} s")
                 raise GatewayError(session.stop_detail, 504, "timeout") from None
             except EngineError as exc:
+                if is_context_overflow(exc):  # the engine's context is below the gateway's
+                    session.stop("context", f"the engine refused {len(input_ids)} prompt "
+                                 f"tokens for its context length: {exc}")
+                    raise GatewayError(session.stop_detail, 400,
+                                       "context_length_exceeded") from None
                 session.stop("engine_error", f"engine: {exc}")
                 raise GatewayError(session.stop_detail, 502, "engine_error") from None
             finally:
@@ -186,12 +211,12 @@ class Gateway:
                 raise GatewayError(f"{key!r}={body[key]!r} is not supported by the gateway "
                                    "(one episode is one conversation)")
         base = session.sampling
-        requested = body.get("max_completion_tokens") or body.get("max_tokens")
+        requested = body.get("max_completion_tokens")
+        if requested is None:
+            requested = body.get("max_tokens")  # 0 is refused by check_chat_fields, not unset
         max_new = min(base.max_new_tokens, room)
         if requested is not None:
-            if not isinstance(requested, int) or requested < 1:
-                raise GatewayError(f"max_tokens must be a positive integer, got {requested!r}")
-            max_new = min(max_new, requested)
+            max_new = min(max_new, int(requested))
         stops = tuple(dict.fromkeys((*base.stop_token_ids, *self.chat.stop_token_ids)))
         kw: dict[str, Any] = {"max_new_tokens": max_new, "stop_token_ids": stops}
         stop = body.get("stop")
@@ -288,11 +313,7 @@ def _parse_request(body: Mapping[str, Any]) -> tuple[list[Message], list[dict[st
     if choice not in (None, "auto", "none"):
         raise GatewayError("tool_choice 'required' or a named function needs constrained "
                            "decoding, which the gateway does not do; use 'auto' or 'none'")
-    temperature = body.get("temperature")
-    if temperature is not None and not (isinstance(temperature, (int, float))
-                                        and math.isfinite(temperature)):
-        raise GatewayError(f"temperature must be a number, got {temperature!r}")
     return messages, [dict(t) for t in tools]
 
 
-__all__ = ["MAX_ABORTS", "Completion", "Gateway", "token_versions"]
+__all__ = ["DEFAULT_MAX_CONTEXT", "MAX_ABORTS", "Completion", "Gateway", "token_versions"]

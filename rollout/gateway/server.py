@@ -15,15 +15,21 @@ Routes (``{sid}`` is a session id; the plain ``/v1/...`` routes read it from the
   one trajectory of a complete group to a rollout worker in another process; ``POST
   /trajectories/take`` (``{"max_groups"?}``): complete groups for a trainer in another process;
   ``GET /trajectories``: buffer counters.
-- ``GET /health``.
+- ``GET /health``: 200 while an engine behind the gateway is healthy, 503 when none is (the
+  state of each engine in the body); always 200 for a buffer-only server.
 
-Errors are OpenAI error bodies ``{"error": {"message", "type", "code"}}`` with a 4xx/5xx status.
+Every body is parsed strictly (`palaestra.rollout.gateway.bodies`,
+`palaestra.rollout.gateway.validation`): all problems of a request come back at once, in
+``error.problems``. Errors are OpenAI error bodies ``{"error": {"message", "type", "code"}}``
+with a 4xx/5xx status; a body over ``max_body_mb`` is a 413. With `GatewayKeys` every route but
+``/health`` needs ``Authorization: Bearer <key>`` (see `palaestra.rollout.gateway.auth`).
 `serve_gateway` starts the server inside a running loop on TCP and, optionally, a Unix socket (the
 code sandbox blocks every inet socket, loopback included; see `palaestra.rollout.gateway.command`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
@@ -32,9 +38,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from palaestra.errors import TrajectoryValidationError
+from palaestra.errors import ConfigError, TrajectoryValidationError
+from palaestra.rollout.gateway.auth import GatewayKeys
+from palaestra.rollout.gateway.bodies import parse_claim, parse_finish, parse_session, parse_take
+from palaestra.rollout.gateway.checks import RequestValidationError
 from palaestra.rollout.gateway.gateway import Completion, Gateway
-from palaestra.rollout.gateway.session import GatewayError
+from palaestra.rollout.gateway.session import STOP_REASONS, GatewayError
+from palaestra.rollout.gateway.validation import PostLimits, trajectory_to_wire, wire_groups
 from palaestra.types import StopReason
 
 if TYPE_CHECKING:
@@ -43,15 +53,22 @@ if TYPE_CHECKING:
     from palaestra.rollout.gateway.buffer import TrajectoryBuffer
 
 SESSION_HEADER = "X-Palaestra-Session"
-MAX_BODY_BYTES = 256 << 20
+MAX_BODY_MB = 64
+HEALTH_TIMEOUT_S = 5.0
 
 
-def error_response(message: str, status: int = 400, code: str | None = None) -> web.Response:
+def error_response(message: str, status: int = 400, code: str | int | None = None,
+                   problems: tuple[str, ...] | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    """An OpenAI error body (``problems``: every problem of a refused request, when several)."""
     from aiohttp import web
 
     kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"error": {"message": message, "type": kind, "param": None, "code": code or status}}
-    return web.json_response(body, status=status)
+    error: dict[str, Any] = {"message": message, "type": kind, "param": None,
+                             "code": code or status}
+    if problems:
+        error["problems"] = list(problems)
+    return web.json_response({"error": error}, status=status, headers=headers)
 
 
 def _errors(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -65,13 +82,20 @@ def _errors(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
             return await handler(request)
         except GatewayError as exc:
             return error_response(exc.message, exc.status, exc.code)
+        except RequestValidationError as exc:
+            return error_response(exc.message, 400, "invalid_request", exc.problems)
         except TrajectoryValidationError as exc:
             status = getattr(exc, "status", 422)
-            return error_response(str(exc), status, "invalid_trajectory")
+            return error_response(str(exc), status, "invalid_trajectory",
+                                  getattr(exc, "problems", None))
+        except web.HTTPRequestEntityTooLarge as exc:
+            return error_response(
+                f"the body is larger than this server takes ({exc.text or 'body limit'}); "
+                "raise --max-body-mb or send less per request", 413, "body_too_large")
         except web.HTTPException:
             raise
-        except (ValueError, TypeError) as exc:
-            return error_response(f"{type(exc).__name__}: {exc}", 400)
+        except (ConfigError, ValueError, TypeError) as exc:  # a check this module missed
+            return error_response(f"invalid request: {exc}", 400)
 
     return wrapped
 
@@ -81,24 +105,76 @@ async def _json_body(request: web.Request) -> Any:
     if not raw:
         return {}
     try:
+        if len(raw) > OFF_LOOP_BYTES:  # a big post would hold every other request up
+            return await asyncio.to_thread(json.loads, raw)
         return json.loads(raw)
     except ValueError as exc:
         raise GatewayError(f"the body is not valid JSON: {exc}") from None
 
 
-def build_app(gateway: Gateway | None, buffer: TrajectoryBuffer | None = None
-              ) -> web.Application:
-    """The aiohttp application of a gateway and/or a trajectory buffer."""
+OFF_LOOP_BYTES = 1 << 20
+
+
+def _auth_middleware(keys: GatewayKeys) -> Any:
     from aiohttp import web
 
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    @web.middleware
+    async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.method == "OPTIONS" or keys.allows(request.path,
+                                                      request.headers.get("Authorization")):
+            return await handler(request)
+        admin = keys.required(request.path) == keys.admin_api_key and keys.admin_api_key
+        what = "the admin API key (--admin-api-key)" if admin else "the API key (--api-key)"
+        return error_response(
+            f"missing or wrong API key: send 'Authorization: Bearer <key>' with {what}", 401,
+            "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    return auth
+
+
+async def engine_health(engine: Any, timeout_s: float = HEALTH_TIMEOUT_S
+                        ) -> tuple[bool, list[dict[str, Any]]]:
+    """Whether any engine behind the gateway is healthy, and the state of each."""
+    try:
+        ok = bool(await asyncio.wait_for(engine.health(), timeout_s))
+    except Exception:  # noqa: BLE001 - a health probe that fails or times out is a no
+        ok = False
+    from palaestra.rollout.engines.router import Router
+
+    if isinstance(engine, Router):  # one entry per engine
+        members = engine.status()
+        return ok and any(m["healthy"] for m in members), members
+    return ok, [{"name": str(getattr(engine, "url", type(engine).__name__)), "healthy": ok}]
+
+
+def build_app(gateway: Gateway | None, buffer: TrajectoryBuffer | None = None, *,
+              keys: GatewayKeys | None = None, max_body_mb: float = MAX_BODY_MB,
+              health_timeout_s: float = HEALTH_TIMEOUT_S) -> web.Application:
+    """The aiohttp application of a gateway and/or a trajectory buffer.
+
+    ``keys``: API keys (see `palaestra.rollout.gateway.auth`); ``max_body_mb``: the largest
+    request body (413 above it); ``/health`` answers 503 when no engine is healthy.
+    """
+    from aiohttp import web
+
     if gateway is None and buffer is None:
         raise ValueError("serve a gateway, a trajectory buffer or both")
+    if not max_body_mb > 0:
+        raise ConfigError(f"max_body_mb must be positive, got {max_body_mb}")
+    middlewares = [_auth_middleware(keys)] if keys is not None else []
+    app = web.Application(client_max_size=int(max_body_mb * (1 << 20)), middlewares=middlewares)
 
     gw: Gateway = gateway  # type: ignore[assignment]  # only used by gateway routes
+    meta_cap = buffer.max_metadata_bytes if buffer is not None else PostLimits.max_metadata_bytes
+    group_cap = buffer.max_group_size if buffer is not None else PostLimits.max_group_size
 
     def sid_of(request: web.Request) -> str | None:
         return request.match_info.get("sid") or request.headers.get(SESSION_HEADER)
+
+    def need_buffer() -> TrajectoryBuffer:
+        if buffer is None:
+            raise GatewayError("this server has no trajectory buffer", 404)
+        return buffer
 
     async def models(request: web.Request) -> web.Response:
         card = {"id": gw.model_name, "object": "model", "created": 0,
@@ -117,12 +193,9 @@ def build_app(gateway: Gateway | None, buffer: TrajectoryBuffer | None = None
         return web.json_response(_completion_json(done, model, body, gw))
 
     async def create_session(request: web.Request) -> web.Response:
-        body = await _json_body(request)
-        if not isinstance(body, dict):
-            raise GatewayError("the body must be a JSON object")
-        session = gw.open_session(
-            body.get("session_id"), max_calls=body.get("max_calls"),
-            call_timeout_s=body.get("call_timeout_s"), metadata=body.get("metadata"))
+        req = parse_session(await _json_body(request), max_metadata_bytes=meta_cap)
+        session = gw.open_session(req.session_id, max_calls=req.max_calls,
+                                  call_timeout_s=req.call_timeout_s, metadata=req.metadata)
         base = f"{request.scheme}://{request.host}/sessions/{session.id}/v1"
         return web.json_response({"session_id": session.id, "base_url": base})
 
@@ -133,71 +206,59 @@ def build_app(gateway: Gateway | None, buffer: TrajectoryBuffer | None = None
         return web.json_response(gw.close_session(request.match_info["sid"]).summary())
 
     async def finish_session(request: web.Request) -> web.Response:
-        if buffer is None:
-            raise GatewayError("this gateway has no trajectory buffer", 404)
-        body = await _json_body(request)
-        if not isinstance(body, dict) or "reward" not in body or "group_id" not in body:
-            raise GatewayError("finish needs {'reward': float, 'group_id': str}")
+        store = need_buffer()
+        req = parse_finish(await _json_body(request), max_group_size=group_cap)
         session = gw.session(request.match_info["sid"])
-        from palaestra.rollout.gateway.validation import finite_number
-
-        reward = finite_number(body["reward"], "reward")
-        gw.close_session(session.id)
-        samples = session.to_samples(reward=reward, stop_reason=StopReason.TERMINATED,
-                                     task_id=str(body.get("task_id", "")),
-                                     group_id=str(body["group_id"]))
-        if not samples:
+        # a session a limit stopped (context, calls, samples) is a truncated episode, not a
+        # terminated one; the reason is read before closing sets "closed"
+        stop = STOP_REASONS.get(session.stop_reason or "", StopReason.TERMINATED)
+        if not any(ledger.calls for ledger in session.samples):
             raise GatewayError("the session has no completed call to train on", 422)
+        gw.close_session(session.id)
+        samples = session.to_samples(reward=req.reward, stop_reason=stop, env_id=req.env_id,
+                                     task_id=req.task_id, group_id=req.group_id)
         from palaestra.types import Trajectory
 
-        traj = Trajectory(env_id=str(body.get("env_id", "gateway")),
-                          task_id=str(body.get("task_id", "")), messages=session.messages(),
-                          turns=session.turns(reward), samples=samples, reward=reward,
-                          stop_reason=StopReason.TERMINATED, metrics=session.metrics(),
-                          group_id=str(body["group_id"]))
-        info = buffer.add_trajectories(str(body["group_id"]), [traj], body.get("group_size"))
-        return web.json_response(info)
+        traj = Trajectory(env_id=req.env_id, task_id=req.task_id, messages=session.messages(),
+                          turns=session.turns(req.reward), samples=samples, reward=req.reward,
+                          stop_reason=stop, metrics=session.metrics(), group_id=req.group_id,
+                          error=session.stop_detail or None if stop != StopReason.TERMINATED
+                          else None)
+        info = store.add_trajectories(req.group_id, [traj], req.group_size)
+        return web.json_response({**info, "stop_reason": stop.value})
 
     async def post_trajectories(request: web.Request) -> web.Response:
-        if buffer is None:
-            raise GatewayError("this server has no trajectory buffer", 404)
+        store = need_buffer()
         body = await _json_body(request)
-        return web.json_response(buffer.add(body))
+        try:  # validation is pure: off the loop, so that a big post holds nothing up
+            parsed = await asyncio.to_thread(store.parse, body)
+        except Exception:
+            store.reject()
+            raise
+        return web.json_response(store.store(*parsed))
 
     async def claim(request: web.Request) -> web.Response:
-        if buffer is None:
-            raise GatewayError("this server has no trajectory buffer", 404)
-        body = await _json_body(request)
-        gid = body.get("group_id") if isinstance(body, dict) else None
-        if not gid:
-            raise GatewayError("claim needs {'group_id': ...}")
-        traj = buffer.claim(str(gid))
-        from palaestra.rollout.gateway.validation import trajectory_to_wire
-
-        return web.json_response(trajectory_to_wire(traj))
+        store = need_buffer()
+        gid = parse_claim(await _json_body(request))
+        return web.json_response(trajectory_to_wire(store.claim(gid)))
 
     async def take(request: web.Request) -> web.Response:
-        if buffer is None:
-            raise GatewayError("this server has no trajectory buffer", 404)
-        body = await _json_body(request)
-        limit = body.get("max_groups") if isinstance(body, dict) else None
-        from palaestra.rollout.gateway.validation import trajectory_to_wire
-
-        groups = buffer.take(int(limit) if limit is not None else None)
-        return web.json_response({"groups": [
-            {"group_id": g.group_id, "trajectories": [trajectory_to_wire(t) for t in g.trajectories]}
-            for g in groups]})
+        store = need_buffer()
+        limit = parse_take(await _json_body(request))
+        return web.json_response({"groups": wire_groups(store.take(limit))})
 
     async def buffer_stats(request: web.Request) -> web.Response:
-        if buffer is None:
-            raise GatewayError("this server has no trajectory buffer", 404)
-        return web.json_response(buffer.stats())
+        return web.json_response(need_buffer().stats())
 
     async def health(request: web.Request) -> web.Response:
         if gateway is None:
             return web.json_response({"ok": True})
-        return web.json_response({"ok": True, "sessions": len(gateway.sessions),
-                                  "totals": gateway.totals})
+        ok, engines = await engine_health(gateway.engine, health_timeout_s)
+        body = {"ok": ok, "engines": engines, "sessions": len(gateway.sessions),
+                "totals": gateway.totals}
+        if not ok:
+            body["error"] = "no engine behind the gateway is healthy"
+        return web.json_response(body, status=200 if ok else 503)
 
     if gateway is not None:
         for prefix in ("", "/sessions/{sid}"):
@@ -301,12 +362,18 @@ async def serve_gateway(
     port: int = 0,
     unix_path: str | None = None,
     buffer: TrajectoryBuffer | None = None,
+    keys: GatewayKeys | None = None,
+    max_body_mb: float = MAX_BODY_MB,
+    health_timeout_s: float = HEALTH_TIMEOUT_S,
 ) -> RunningGateway:
     """Serve ``gateway`` (and/or ``buffer``) on ``host:port`` (0 = a free port) and, if given, a
-    Unix socket. ``serve_gateway(None, buffer=buffer)`` is a plain rollout buffer server."""
+    Unix socket. ``serve_gateway(None, buffer=buffer)`` is a plain rollout buffer server.
+    ``keys``, ``max_body_mb`` and ``health_timeout_s``: see `build_app`."""
     from aiohttp import web
 
-    runner = web.AppRunner(build_app(gateway, buffer), access_log=None)
+    app = build_app(gateway, buffer, keys=keys, max_body_mb=max_body_mb,
+                    health_timeout_s=health_timeout_s)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
@@ -321,4 +388,13 @@ async def serve_gateway(
     return RunningGateway(gateway, f"http://{host}:{bound}", unix_path, runner)
 
 
-__all__ = ["SESSION_HEADER", "RunningGateway", "build_app", "error_response", "serve_gateway"]
+__all__ = [
+    "HEALTH_TIMEOUT_S",
+    "MAX_BODY_MB",
+    "SESSION_HEADER",
+    "RunningGateway",
+    "build_app",
+    "engine_health",
+    "error_response",
+    "serve_gateway",
+]

@@ -2,7 +2,7 @@
 
 Wire format (JSON)::
 
-    {"group_id": "q17",                 # required (here or on each trajectory)
+    {"group_id": "q17",                 # required (here or on each trajectory); a string
      "group_size": 4,                   # optional: the group is complete with 4 trajectories
      "trajectories": [{
         "samples": [{"token_ids": [...], "loss_mask": [...], "logprobs": [...],
@@ -16,21 +16,45 @@ directly instead of ``samples``; a body without ``trajectories`` is one trajecto
 ``token_ids``, ``loss_mask``, ``logprobs`` and ``reward`` are required. ``versions`` defaults to
 the buffer's policy version on sampled tokens; ``prompt_len`` to the first sampled token.
 
-Every rule refuses the whole post with a message that names the field: token ids are integers in
-the vocabulary; loss mask, logprobs and versions have one entry per token; the mask holds only 0
-and 1 and at least one 1; logprobs are finite and sampled ones are <= 0; rewards are finite;
-``prompt_len`` and ``turn_ends`` lie inside the sequence; the stop reason is a known one;
-metadata is an object. Numeric metadata becomes trajectory metrics (``meta/<key>``).
+Every problem of a post is reported at once (each message names its field) and the whole post is
+refused: token ids are integers in the vocabulary; loss mask, logprobs and versions have one entry
+per token; the mask holds only 0 and 1 and at least one 1; logprobs are finite and sampled ones
+are <= 0; rewards are finite; ``prompt_len`` and ``turn_ends`` lie inside the sequence; the stop
+reason is a known one; ids are strings (``17`` is not coerced to ``"17"``); metadata is an object.
+Types are never coerced. Size caps (`PostLimits`): tokens per sample (the context), samples per
+trajectory, metadata bytes, trajectories per group. Numeric metadata becomes trajectory metrics
+(``meta/<key>``).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from palaestra.errors import TrajectoryValidationError
+from palaestra.rollout.gateway.checks import (
+    InvalidTrajectoryError,
+    Problems,
+    check_int,
+    check_json_bytes,
+    check_number,
+    check_object,
+    check_str,
+    describe,
+    is_int,
+    is_number,
+    unknown_keys,
+)
 from palaestra.types import Message, Sample, StopReason, Trajectory
+
+SAMPLE_FIELDS = ("token_ids", "loss_mask", "logprobs", "versions", "prompt_len", "turn_ends")
+TRAJECTORY_FIELDS = ("group_id", "samples", "reward", "turn_rewards", "stop_reason", "env_id",
+                     "task_id", "metadata", "metrics", "messages", "error", *SAMPLE_FIELDS)
+POST_FIELDS = ("group_id", "group_size", "trajectories")
+MAX_ID_CHARS = 512
 
 
 class MalformedPayloadError(TrajectoryValidationError):
@@ -45,171 +69,289 @@ class BufferConflictError(TrajectoryValidationError):
     status = 409
 
 
+@dataclass(frozen=True)
+class PostLimits:
+    """Bounds of one post; None means unbounded.
+
+    ``max_tokens``: tokens per sample (the gateway sets the engine's context);
+    ``max_samples``: samples per trajectory; ``max_metadata_bytes``: a trajectory's ``metadata``
+    as JSON; ``max_group_size``: trajectories of one group (and the largest ``group_size``).
+    """
+
+    vocab_size: int | None = None
+    max_tokens: int | None = None
+    max_samples: int | None = 256
+    max_metadata_bytes: int | None = 64 << 10
+    max_group_size: int | None = 1024
+
+
 def finite_number(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TrajectoryValidationError(f"{where} must be a number, got {value!r}")
-    if not math.isfinite(value):
-        raise TrajectoryValidationError(f"{where} must be finite, got {value!r}")
-    return float(value)
+    """``value`` as a float, or `TrajectoryValidationError` (booleans and strings refused)."""
+    problems = Problems()
+    out = check_number(value, where, problems)
+    problems.raise_if_any("invalid value", InvalidTrajectoryError)
+    assert out is not None
+    return out
 
 
-def _int_list(value: Any, where: str) -> list[int]:
+def _int_list(value: Any, where: str, p: Problems) -> list[int] | None:
     if not isinstance(value, list):
-        raise TrajectoryValidationError(f"{where} must be a list of integers")
-    for k, v in enumerate(value):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TrajectoryValidationError(f"{where}[{k}] is {v!r}: expected an integer")
+        p.add(f"{where} must be a list of integers, got {describe(value)}")
+        return None
+    bad = [k for k, v in enumerate(value) if not is_int(v)]
+    if bad:
+        p.add(f"{where}[{bad[0]}] is {value[bad[0]]!r}: expected an integer"
+              + (f" ({len(bad)} such entries)" if len(bad) > 1 else ""))
+        return None
     return value
 
 
-def _same_length(value: Sequence[Any], n: int, where: str) -> None:
+def _per_token(value: list[Any] | None, n: int, where: str, p: Problems) -> bool:
+    if value is None:
+        return False
     if len(value) != n:
-        raise TrajectoryValidationError(
-            f"{where} has {len(value)} entries but token_ids has {n}: give one per token")
+        p.add(f"{where} has {len(value)} entries but token_ids has {n}: give one per token")
+        return False
+    return True
 
 
-def parse_sample(
-    data: Mapping[str, Any], where: str, *, vocab_size: int | None, version: int,
-    max_tokens: int | None = None,
-) -> Sample:
-    """One validated `Sample` from its wire form (raises `TrajectoryValidationError`)."""
-    if not isinstance(data, Mapping):
-        raise TrajectoryValidationError(f"{where} must be an object")
-    for key in ("token_ids", "loss_mask", "logprobs"):
-        if key not in data:
-            raise TrajectoryValidationError(f"{where}.{key} is required")
-    ids = _int_list(data["token_ids"], f"{where}.token_ids")
-    n = len(ids)
-    if n == 0:
-        raise TrajectoryValidationError(f"{where}.token_ids is empty")
-    if max_tokens is not None and n > max_tokens:
-        raise TrajectoryValidationError(
-            f"{where} has {n} tokens; this buffer takes at most {max_tokens} per sample")
-    if vocab_size is not None:
-        bad = [(k, t) for k, t in enumerate(ids) if not 0 <= t < vocab_size]
+def _sample(data: Any, where: str, p: Problems, limits: PostLimits, version: int,
+            check_keys: bool) -> Sample | None:
+    """One `Sample` from its wire form, or None with its problems added to ``p``."""
+    if check_object(data, where, p) is None:
+        return None
+    before = len(p)
+    missing = [k for k in ("token_ids", "loss_mask", "logprobs") if k not in data]
+    for key in missing:
+        p.add(f"{where}.{key} is required")
+    if check_keys:
+        unknown_keys(data, SAMPLE_FIELDS, where, p)
+    ids = _int_list(data["token_ids"], f"{where}.token_ids", p) if "token_ids" in data else None
+    n = len(ids) if ids is not None else -1
+    if ids is not None and n == 0:
+        p.add(f"{where}.token_ids is empty")
+        ids = None
+    if ids is not None and limits.max_tokens is not None and n > limits.max_tokens:
+        p.add(f"{where} has {n} tokens; this buffer takes at most {limits.max_tokens} per "
+              "sample (the policy's context)")
+        ids = None  # per-token checks of a sample that is refused anyway would be wasted
+    if ids is not None and limits.vocab_size is not None:
+        bad = [k for k, t in enumerate(ids) if not 0 <= t < limits.vocab_size]
         if bad:
-            k, t = bad[0]
-            raise TrajectoryValidationError(
-                f"{where}.token_ids[{k}] = {t} is outside the vocabulary [0, {vocab_size}) "
-                f"({len(bad)} such ids); tokenize with the policy's tokenizer")
-    mask = _int_list(data["loss_mask"], f"{where}.loss_mask")
-    _same_length(mask, n, f"{where}.loss_mask")
-    if any(m not in (0, 1) for m in mask):
-        raise TrajectoryValidationError(f"{where}.loss_mask must contain only 0 and 1")
-    if not any(mask):
-        raise TrajectoryValidationError(
-            f"{where}.loss_mask has no 1: the sample has no sampled token to train on")
-    raw_lp = data["logprobs"]
-    if not isinstance(raw_lp, list):
-        raise TrajectoryValidationError(f"{where}.logprobs must be a list of numbers")
-    _same_length(raw_lp, n, f"{where}.logprobs")
-    logprobs = [finite_number(x, f"{where}.logprobs[{k}]") for k, x in enumerate(raw_lp)]
-    positive = [k for k, (x, m) in enumerate(zip(logprobs, mask)) if m and x > 1e-6]
-    if positive:
-        raise TrajectoryValidationError(
-            f"{where}.logprobs[{positive[0]}] = {logprobs[positive[0]]}: the logprob of a "
-            "sampled token must be <= 0 (send log-probabilities, not probabilities or logits)")
+            p.add(f"{where}.token_ids[{bad[0]}] = {ids[bad[0]]} is outside the vocabulary "
+                  f"[0, {limits.vocab_size}) ({len(bad)} such ids); tokenize with the "
+                  "policy's tokenizer")
+    mask = _int_list(data["loss_mask"], f"{where}.loss_mask", p) if "loss_mask" in data else None
+    if ids is not None and _per_token(mask, n, f"{where}.loss_mask", p):
+        assert mask is not None
+        if any(m not in (0, 1) for m in mask):
+            p.add(f"{where}.loss_mask must contain only 0 and 1")
+        elif not any(mask):
+            p.add(f"{where}.loss_mask has no 1: the sample has no sampled token to train on")
+    raw_lp = data.get("logprobs")
+    logprobs: list[float] | None = None
+    if "logprobs" in data and not isinstance(raw_lp, list):
+        p.add(f"{where}.logprobs must be a list of numbers, got {describe(raw_lp)}")
+    elif isinstance(raw_lp, list) and ids is not None and _per_token(raw_lp, n, f"{where}.logprobs", p):
+        bad = [k for k, x in enumerate(raw_lp) if not (is_number(x) and math.isfinite(x))]
+        if bad:
+            p.add(f"{where}.logprobs[{bad[0]}] must be finite numbers, got "
+                  f"{describe(raw_lp[bad[0]])}" + (f" ({len(bad)} such)" if len(bad) > 1 else ""))
+        else:
+            logprobs = [float(x) for x in raw_lp]
+            if mask is not None and len(mask) == n:
+                positive = [k for k, (x, m) in enumerate(zip(logprobs, mask)) if m and x > 1e-6]
+                if positive:
+                    p.add(f"{where}.logprobs[{positive[0]}] = {logprobs[positive[0]]}: the logprob "
+                          "of a sampled token must be <= 0 (send log-probabilities, not "
+                          "probabilities or logits)")
+    versions: list[int] | None = None
     if data.get("versions") is not None:
-        versions = _int_list(data["versions"], f"{where}.versions")
-        _same_length(versions, n, f"{where}.versions")
-    else:
+        versions = _int_list(data["versions"], f"{where}.versions", p)
+        if ids is not None:
+            _per_token(versions, n, f"{where}.versions", p)
+    prompt_len = data.get("prompt_len")
+    if prompt_len is not None and ids is not None:
+        check_int(prompt_len, f"{where}.prompt_len", p, low=0, high=n)
+    elif prompt_len is not None:
+        check_int(prompt_len, f"{where}.prompt_len", p, low=0)
+    raw_ends = data.get("turn_ends")
+    ends = _int_list([] if raw_ends is None else raw_ends, f"{where}.turn_ends", p)
+    if ends is not None and ids is not None and (
+            any(not 0 < e <= n for e in ends) or ends != sorted(ends)):
+        p.add(f"{where}.turn_ends must be increasing token indices in (0, {n}]")
+    if len(p) > before or ids is None or mask is None or logprobs is None:
+        return None
+    if versions is None:
         versions = [version if m else -1 for m in mask]
-    prompt_len = data.get("prompt_len", mask.index(1))
-    if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or not 0 <= prompt_len <= n:
-        raise TrajectoryValidationError(f"{where}.prompt_len must be an integer in [0, {n}]")
-    ends = _int_list(data.get("turn_ends") or [], f"{where}.turn_ends")
-    if any(not 0 < e <= n for e in ends) or ends != sorted(ends):
-        raise TrajectoryValidationError(
-            f"{where}.turn_ends must be increasing token indices in (0, {n}]")
-    return Sample(tuple(ids), tuple(mask), tuple(logprobs), tuple(versions), prompt_len,
-                  turn_ends=tuple(ends))
+    return Sample(tuple(ids), tuple(mask), tuple(logprobs), tuple(versions),
+                  int(prompt_len) if prompt_len is not None else mask.index(1),
+                  turn_ends=tuple(ends or ()))
+
+
+def _trajectory(data: Any, where: str, group_id: str, p: Problems, limits: PostLimits,
+                version: int) -> Trajectory | None:
+    """One `Trajectory` (its samples carry the reward and group id), or None with problems."""
+    if check_object(data, where, p) is None:
+        return None
+    before = len(p)
+    unknown_keys(data, TRAJECTORY_FIELDS, where, p)
+    reward = None
+    if "reward" not in data:
+        p.add(f"{where}.reward is required")
+    else:
+        reward = check_number(data["reward"], f"{where}.reward", p)
+    turn_rewards: list[float] = []
+    raw_tr = data.get("turn_rewards")
+    if raw_tr is not None and not isinstance(raw_tr, list):
+        p.add(f"{where}.turn_rewards must be a list of numbers, got {describe(raw_tr)}")
+    for k, r in enumerate(raw_tr if isinstance(raw_tr, list) else ()):
+        value = check_number(r, f"{where}.turn_rewards[{k}]", p)
+        turn_rewards.append(value if value is not None else 0.0)
+    stop = StopReason.TERMINATED
+    raw_stop = data.get("stop_reason", "terminated")
+    try:
+        stop = StopReason(raw_stop) if isinstance(raw_stop, str) else StopReason("?")
+    except ValueError:
+        p.add(f"{where}.stop_reason {raw_stop!r} is not one of {[s.value for s in StopReason]}")
+    metadata = data.get("metadata")
+    if metadata is None:
+        metadata = {}
+    elif not isinstance(metadata, Mapping):
+        p.add(f"{where}.metadata must be an object, got {describe(metadata)}")
+        metadata = {}
+    else:
+        check_json_bytes(metadata, f"{where}.metadata", p, limits.max_metadata_bytes)
+    env_id = data.get("env_id")
+    task_id = data.get("task_id")
+    env_id = "external" if env_id is None else check_str(env_id, f"{where}.env_id", p,
+                                                         max_len=MAX_ID_CHARS, nonempty=True)
+    task_id = "" if task_id is None else check_str(task_id, f"{where}.task_id", p,
+                                                   max_len=MAX_ID_CHARS)
+    error = data.get("error")
+    if error is not None:
+        error = check_str(error, f"{where}.error", p)
+    raw_samples = data.get("samples")
+    if raw_samples is None:
+        pairs: list[tuple[str, Any]] = [(where, data)]
+        check_keys = False  # the trajectory's own keys were checked above
+    elif not isinstance(raw_samples, list) or not raw_samples:
+        p.add(f"{where}.samples must be a non-empty list of samples")
+        pairs, check_keys = [], True
+    elif limits.max_samples is not None and len(raw_samples) > limits.max_samples:
+        p.add(f"{where}.samples has {len(raw_samples)} samples; at most {limits.max_samples}")
+        pairs, check_keys = [], True
+    else:
+        pairs = [(f"{where}.samples[{j}]", s) for j, s in enumerate(raw_samples)]
+        check_keys = True
+        inline = sorted(k for k in SAMPLE_FIELDS if k in data)
+        if inline:
+            p.add(f"{where} has both 'samples' and sample fields {inline}; give one or the other")
+    parsed = [_sample(raw, spot, p, limits, version, check_keys) for spot, raw in pairs]
+    messages: tuple[Message, ...] = ()
+    raw_messages = data.get("messages")
+    if raw_messages is not None and not isinstance(raw_messages, list):
+        p.add(f"{where}.messages must be a list of chat messages, got {describe(raw_messages)}")
+    elif raw_messages:
+        try:
+            messages = tuple(Message.from_dict(m) for m in raw_messages)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            p.add(f"{where}.messages: {exc}")
+    metrics = {f"meta/{k}": float(v) for k, v in metadata.items()
+               if is_number(v) and math.isfinite(v)}
+    extra = data.get("metrics")
+    if extra is not None and not isinstance(extra, Mapping):
+        p.add(f"{where}.metrics must be an object of numbers, got {describe(extra)}")
+    for k, v in (extra.items() if isinstance(extra, Mapping) else ()):
+        value = check_number(v, f"{where}.metrics[{k!r}]", p)
+        if value is not None:
+            metrics[str(k)] = value
+    if len(p) > before or reward is None or any(s is None for s in parsed) or not parsed:
+        return None
+    samples = tuple(Sample(
+        s.token_ids_T, s.loss_mask_T, s.logprobs_T, s.versions_T, s.prompt_len,
+        reward=reward, turn_rewards=tuple(turn_rewards), stop_reason=stop, env_id=str(env_id),
+        task_id=str(task_id), group_id=group_id, turn_ends=s.turn_ends)
+        for s in parsed if s is not None)
+    metrics["external"] = 1.0
+    metrics["response_tokens"] = float(sum(s.num_sampled for s in samples))
+    metrics["total_tokens"] = float(sum(s.num_tokens for s in samples))
+    return Trajectory(env_id=str(env_id), task_id=str(task_id), messages=messages, turns=(),
+                      samples=samples, reward=reward, stop_reason=stop,
+                      error=error or None, metrics=metrics, group_id=group_id)
+
+
+def parse_sample(data: Mapping[str, Any], where: str, *, vocab_size: int | None, version: int,
+                 max_tokens: int | None = None) -> Sample:
+    """One validated `Sample` (raises `TrajectoryValidationError` listing every problem)."""
+    p = Problems()
+    out = _sample(data, where, p, PostLimits(vocab_size, max_tokens), version, True)
+    p.raise_if_any("invalid sample", InvalidTrajectoryError)
+    assert out is not None
+    return out
 
 
 def parse_trajectory(
     data: Mapping[str, Any], where: str, group_id: str, *, vocab_size: int | None, version: int,
-    max_tokens: int | None = None,
+    max_tokens: int | None = None, limits: PostLimits | None = None,
 ) -> Trajectory:
-    """One validated `Trajectory` (its samples carry the reward and group id)."""
-    if not isinstance(data, Mapping):
-        raise TrajectoryValidationError(f"{where} must be an object")
-    if "reward" not in data:
-        raise TrajectoryValidationError(f"{where}.reward is required")
-    reward = finite_number(data["reward"], f"{where}.reward")
-    turn_rewards = data.get("turn_rewards") or []
-    if not isinstance(turn_rewards, list):
-        raise TrajectoryValidationError(f"{where}.turn_rewards must be a list of numbers")
-    turn_rewards = [finite_number(r, f"{where}.turn_rewards[{k}]")
-                    for k, r in enumerate(turn_rewards)]
-    try:
-        stop = StopReason(data.get("stop_reason", "terminated"))
-    except ValueError:
-        raise TrajectoryValidationError(
-            f"{where}.stop_reason {data.get('stop_reason')!r} is not one of "
-            f"{[s.value for s in StopReason]}") from None
-    metadata = data.get("metadata") or {}
-    if not isinstance(metadata, Mapping):
-        raise TrajectoryValidationError(f"{where}.metadata must be an object")
-    raw_samples = data.get("samples")
-    if raw_samples is None:
-        raw_samples = [data]
-        spots = [where]
-    elif not isinstance(raw_samples, list) or not raw_samples:
-        raise TrajectoryValidationError(f"{where}.samples must be a non-empty list")
-    else:
-        spots = [f"{where}.samples[{j}]" for j in range(len(raw_samples))]
-    env_id, task_id = str(data.get("env_id") or "external"), str(data.get("task_id") or "")
-    samples = []
-    for spot, raw in zip(spots, raw_samples):
-        s = parse_sample(raw, spot, vocab_size=vocab_size, version=version, max_tokens=max_tokens)
-        samples.append(Sample(
-            s.token_ids_T, s.loss_mask_T, s.logprobs_T, s.versions_T, s.prompt_len,
-            reward=reward, turn_rewards=tuple(turn_rewards), stop_reason=stop, env_id=env_id,
-            task_id=task_id, group_id=group_id, turn_ends=s.turn_ends))
-    messages = data.get("messages") or []
-    try:
-        parsed_messages = tuple(Message.from_dict(m) for m in messages)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise TrajectoryValidationError(f"{where}.messages: {exc}") from None
-    metrics = {f"meta/{k}": float(v) for k, v in metadata.items()
-               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
-    extra = data.get("metrics") or {}
-    if not isinstance(extra, Mapping):
-        raise TrajectoryValidationError(f"{where}.metrics must be an object of numbers")
-    for k, v in extra.items():
-        metrics[str(k)] = finite_number(v, f"{where}.metrics[{k!r}]")
-    metrics["external"] = 1.0
-    metrics["response_tokens"] = float(sum(s.num_sampled for s in samples))
-    metrics["total_tokens"] = float(sum(s.num_tokens for s in samples))
-    return Trajectory(env_id=env_id, task_id=task_id, messages=parsed_messages, turns=(),
-                      samples=tuple(samples), reward=reward, stop_reason=stop,
-                      error=str(data["error"]) if data.get("error") else None,
-                      metrics=metrics, group_id=group_id)
+    """One validated `Trajectory` (raises `TrajectoryValidationError` listing every problem)."""
+    p = Problems()
+    lim = limits or PostLimits(vocab_size, max_tokens)
+    out = _trajectory(data, where, group_id, p, lim, version)
+    p.raise_if_any("invalid trajectory", InvalidTrajectoryError)
+    assert out is not None
+    return out
+
+
+def _group_id(value: Any, where: str, p: Problems) -> str | None:
+    if value is None:
+        p.add(f"{where}.group_id is required: the id (a string) of the group (prompt) it "
+              "belongs to")
+        return None
+    return check_str(value, f"{where}.group_id", p, max_len=MAX_ID_CHARS, nonempty=True)
 
 
 def parse_post(
-    payload: Any, *, vocab_size: int | None, version: int = 0, max_tokens: int | None = None,
+    payload: Any, *, vocab_size: int | None = None, version: int = 0,
+    max_tokens: int | None = None, limits: PostLimits | None = None,
 ) -> tuple[list[tuple[str, Trajectory]], int | None]:
-    """``[(group_id, trajectory), ...]`` and the declared group size of a post."""
+    """``[(group_id, trajectory), ...]`` and the declared group size of a post.
+
+    Raises `MalformedPayloadError` (not a post at all) or `InvalidTrajectoryError` with every
+    problem of the post.
+    """
+    lim = limits or PostLimits(vocab_size, max_tokens)
     if not isinstance(payload, Mapping):
         raise MalformedPayloadError(
             "the body must be a JSON object: {'group_id': ..., 'trajectories': [...]}")
-    items = payload.get("trajectories", None)
-    if items is None:
-        items = [payload]
+    wrapped = "trajectories" in payload
+    items = payload["trajectories"] if wrapped else [payload]
     if not isinstance(items, list) or not items:
         raise MalformedPayloadError("'trajectories' must be a non-empty list")
+    p = Problems()
+    if wrapped:
+        unknown_keys(payload, POST_FIELDS, "the post", p)
     size = payload.get("group_size")
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise TrajectoryValidationError(f"group_size must be a positive integer, got {size!r}")
-    out = []
+    if size is not None:
+        size = check_int(size, "group_size", p, low=1, high=lim.max_group_size)
+    post_gid = payload.get("group_id")
+    if post_gid is not None and wrapped:
+        post_gid = check_str(post_gid, "group_id", p, max_len=MAX_ID_CHARS, nonempty=True)
+    out: list[tuple[str, Trajectory]] = []
     for i, item in enumerate(items):
-        where = f"trajectories[{i}]" if "trajectories" in payload else "trajectory"
-        gid = item.get("group_id", payload.get("group_id")) if isinstance(item, Mapping) else None
-        if not isinstance(gid, (str, int)) or isinstance(gid, bool) or str(gid) == "":
-            raise TrajectoryValidationError(
-                f"{where}.group_id is required: the id of the group (prompt) it belongs to")
-        out.append((str(gid), parse_trajectory(item, where, str(gid), vocab_size=vocab_size,
-                                               version=version, max_tokens=max_tokens)))
+        where = f"trajectories[{i}]" if wrapped else "trajectory"
+        raw_gid = item.get("group_id", post_gid) if isinstance(item, Mapping) else post_gid
+        gid = _group_id(raw_gid, where, p) if isinstance(item, Mapping) else None
+        traj = _trajectory(item, where, gid or "", p, lim, version)
+        if gid is not None and traj is not None:
+            out.append((gid, traj))
+    if lim.max_group_size is not None:
+        for gid, count in Counter(g for g, _ in out).items():
+            if count > lim.max_group_size:
+                p.add(f"group {gid!r} has {count} trajectories in this post; a group holds at "
+                      f"most {lim.max_group_size}")
+    p.raise_if_any("the trajectory post was refused", InvalidTrajectoryError)
     return out, size
 
 
@@ -217,7 +359,7 @@ def trajectory_to_wire(traj: Trajectory) -> dict[str, Any]:
     """The JSON form `parse_trajectory` reads back (what `TrajectoryClient` posts)."""
     return {
         "group_id": traj.group_id,
-        "env_id": traj.env_id,
+        "env_id": traj.env_id or "external",
         "task_id": traj.task_id,
         "reward": traj.reward,
         "turn_rewards": list(traj.samples[0].turn_rewards) if traj.samples else [],
@@ -234,12 +376,23 @@ def trajectory_to_wire(traj: Trajectory) -> dict[str, Any]:
     }
 
 
+def wire_groups(groups: Sequence[Any]) -> list[dict[str, Any]]:
+    """``[{"group_id", "trajectories": [wire, ...]}]`` of `GroupResult`s (``/trajectories/take``)."""
+    return [{"group_id": g.group_id,
+             "trajectories": [trajectory_to_wire(t) for t in g.trajectories]} for g in groups]
+
+
 __all__ = [
+    "POST_FIELDS",
+    "SAMPLE_FIELDS",
+    "TRAJECTORY_FIELDS",
     "BufferConflictError",
     "MalformedPayloadError",
+    "PostLimits",
     "finite_number",
     "parse_post",
     "parse_sample",
     "parse_trajectory",
     "trajectory_to_wire",
+    "wire_groups",
 ]

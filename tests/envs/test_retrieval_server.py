@@ -1,4 +1,6 @@
-"""The Search-R1 retrieval server and the HTTP client over real loopback sockets."""
+"""The Search-R1 retrieval server and the HTTP client over real loopback sockets, and the server
+tried as a careless client would: queries that match nothing get no documents, booleans are
+strict, every problem of a request is reported at once."""
 
 import asyncio
 import json
@@ -196,3 +198,62 @@ def test_serve_retriever_command_answers_over_loopback(bm25):
         proc.terminate()
         proc.wait(10)
     assert "serving 10991 documents" in proc.stdout.read()
+
+
+# ---------------------------------------------------------------- adversarial requests
+@pytest.mark.parametrize("query", ["", "   ", "the of and a is", "zzqqxxvvkk", "!!! ???"])
+async def test_a_query_that_matches_nothing_gets_no_documents(server, query):
+    status, payload = await _post(
+        server, {"queries": [query, "Ed Wood"], "topk": 3, "return_scores": True})
+    assert status == 200 and payload["result"][0] == []
+    assert len(payload["result"][1]) == 3 and all(h["score"] > 0 for h in payload["result"][1])
+
+
+def _unique_word(documents) -> tuple[str, str]:
+    """A word (bm25s' token pattern) that occurs in exactly one document, and that document."""
+    import re
+    from collections import Counter
+
+    pattern = re.compile(r"(?u)\b\w\w+\b")
+    seen: Counter[str] = Counter()
+    where: dict[str, str] = {}
+    for doc in documents:
+        for word in set(pattern.findall(doc.contents.lower())):
+            seen[word] += 1
+            where[word] = doc.id
+    word = min(w for w, n in seen.items() if n == 1 and w.isalpha() and len(w) >= 6)
+    return word, where[word]
+
+
+async def test_a_rare_word_gets_only_the_documents_that_contain_it(server, bm25):
+    word, doc_id = _unique_word(bm25.documents)
+    status, payload = await _post(server, {"queries": [word], "topk": 5, "return_scores": True})
+    assert status == 200 and [h["document"]["id"] for h in payload["result"][0]] == [doc_id]
+    assert bm25.search([word], 5)[0][0].document.id == doc_id
+
+
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None, [True]])
+async def test_return_scores_must_be_a_boolean(server, value):
+    status, payload = await _post(server, {"queries": ["Ed Wood"], "return_scores": value})
+    assert status == 400 and "'return_scores' must be true or false" in payload["error"]
+
+
+async def test_every_problem_of_a_request_is_reported(server):
+    status, payload = await _post(
+        server, {"queries": ["ok", 7], "topk": True, "return_scores": "no", "top_k": 3})
+    assert status == 400 and len(payload["problems"]) == 4, payload
+    assert any("unknown field(s) ['top_k']" in p for p in payload["problems"])
+    assert any("queries[1] is 7" in p for p in payload["problems"])
+    status, payload = await _post(server, {"topk": 3})
+    assert status == 400 and "'queries' is required" in payload["error"]
+
+
+async def test_no_queries_is_an_empty_result(server):
+    assert await _post(server, {"queries": []}) == (200, {"result": []})
+
+
+def test_serve_retriever_refuses_a_topk_out_of_range():
+    out = subprocess.run([sys.executable, "-m", "palaestra", "serve-retriever", "--topk", "0",
+                          "--port", str(_free_port())], check=False, capture_output=True,
+                         text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode != 0 and "--topk must be in [1, 100]" in out.stdout + out.stderr

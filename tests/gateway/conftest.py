@@ -67,6 +67,9 @@ class Recording:
         self.calls.append((list(input_ids), gen))
         return gen
 
+    async def health(self) -> bool:
+        return await self.engine.health()
+
     async def close(self) -> None:
         await self.engine.close()
 

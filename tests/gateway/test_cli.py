@@ -25,7 +25,7 @@ def test_gateway_command_options():
     args = parser.parse_args(["--engine", "http://a:1", "--engine", "http://b:2",
                               "--tokenizer", "m", "--port", "0", "--auto-sessions"])
     assert args.engine == ["http://a:1", "http://b:2"] and args.auto_sessions
-    assert args.family == "qwen" and args.max_context == 4096
+    assert args.family == "qwen" and args.max_context is None  # the engines' context
     help_text = subprocess.run([sys.executable, "-m", "palaestra", "gateway", "--help"],
                                check=False, capture_output=True, text=True)
     assert help_text.returncode == 0 and "--honor-client-sampling" in help_text.stdout
