@@ -7,12 +7,14 @@ palaestra package is not visible in the sandbox) and trusts nothing its children
 
 Why a zygote: starting an interpreter costs ~8-35 ms here; forking an already started one with
 its modules imported costs ~1-3 ms (a spare child is forked ahead of demand while the zygote is
-idle). Each run gets a fresh child that applies, in this order: new
-session, fresh stdio (memfds owned by the zygote, so output survives a kill and is capped by
-RLIMIT_FSIZE), rlimits, a per-run uid (root only) or a per-run pid namespace, a fresh working
-directory, Landlock (filesystem, TCP, signal and abstract-socket scoping) and a seccomp filter
-compiled once on the host. Children are never reused. After a run the zygote, a child
-subreaper, kills every process the run left behind before it reports, so nothing outlives a run.
+idle). Each run gets a fresh pid namespace whose pid 1 (``pidns_init``) gives it its own mount
+namespace (a /proc showing only the run, a size-limited tmpfs workspace) and forks the run as
+pid 2, which applies, in this order: new process group, fresh stdio (memfds owned by the
+zygote, so output survives a kill and is capped by RLIMIT_FSIZE), rlimits, its own uid (root
+hosts), the working directory, Landlock (filesystem, TCP, signal and abstract-socket scoping)
+and a seccomp filter compiled once on the host. Children are never reused. When the run ends
+its pid 1 exits and the kernel kills whatever the run left behind; without pid namespaces
+(Docker) the zygote, a child subreaper, kills the leftovers before it reports.
 
 Wire format (both directions): 4-byte big-endian frame length, 4-byte header length, a JSON
 header and raw blobs whose lengths are listed in ``header["blobs"]``.
@@ -23,6 +25,7 @@ import errno
 import json
 import os
 import resource
+import select
 import selectors
 import signal
 import socket
@@ -36,7 +39,11 @@ PR_CAPBSET_DROP = 24
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 SECCOMP_MODE_FILTER = 2
+CLONE_NEWNS = 0x00020000
 CLONE_NEWPID = 0x20000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_BIND, MS_REC, MS_PRIVATE, MS_SLAVE = 4096, 16384, 1 << 18, 1 << 19
+MNT_DETACH = 2
 SYS_LANDLOCK_CREATE_RULESET = 444
 SYS_LANDLOCK_ADD_RULE = 445
 SYS_LANDLOCK_RESTRICT_SELF = 446
@@ -49,6 +56,9 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
 _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
                         ctypes.c_ulong]
+_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
+                        ctypes.c_char_p]
+_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 
 
 # --------------------------------------------------------------------------- framing
@@ -178,6 +188,84 @@ def drop_capabilities():
     data = (ctypes.c_uint32 * 6)()
     if _libc.capset(header, data) != 0:
         raise OSError(ctypes.get_errno(), "capset failed")
+
+
+# --------------------------------------------------------------------------- mounts
+def _b(text):
+    return None if text is None else text.encode()
+
+
+def mount(source, target, fstype, flags, data=None):
+    if _libc.mount(_b(source), _b(target), _b(fstype), flags, _b(data)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount {fstype or source} on {target}: {os.strerror(err)}")
+
+
+def mount_tmpfs(path, size_mb, mode=0o700, uid=None):
+    """A size-limited tmpfs at ``path``: a workspace that cannot fill anyone else's."""
+    data = f"size={int(size_mb)}m,mode={mode:o}"
+    if uid is not None:
+        data += f",uid={uid},gid={uid}"
+    mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, data)
+
+
+def unmount(path):
+    """Detach a mount at ``path``; False when nothing was mounted there."""
+    return _libc.umount2(_b(path), MNT_DETACH) == 0
+
+
+def private_mount_ns(slave=True):
+    """Enter a new mount namespace that receives no mounts from ours and sends none back."""
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWNS) failed: {os.strerror(err)}")
+    mount(None, "/", None, MS_REC | (MS_SLAVE if slave else MS_PRIVATE))
+
+
+def expose_dirs(dirs):
+    """Make each of ``dirs`` reachable by unprivileged uids although a parent directory is
+    not world-searchable (an interpreter under /root): in our private mount namespace the
+    closed parent is covered by a tmpfs holding only the paths to those dirs, each bound back.
+    Nothing else below that parent stays visible."""
+    groups = {}
+    for d in dirs:
+        parts = [p for p in d.split("/") if p]
+        for i in range(1, len(parts)):
+            parent = "/" + "/".join(parts[:i])
+            if not os.stat(parent).st_mode & 0o001:
+                groups.setdefault(parent, []).append(d)
+                break
+    for parent, members in groups.items():
+        fds = [os.open(d, os.O_PATH | os.O_CLOEXEC) for d in members]
+        mount_tmpfs(parent, 1, mode=0o755)
+        for d, fd in zip(members, fds):
+            os.makedirs(d, 0o755, exist_ok=True)
+            mount(f"/proc/self/fd/{fd}", d, None, MS_BIND | MS_REC)
+            os.close(fd)
+    return sorted(groups)
+
+
+def prepare_zygote_mounts(opts):
+    """Mounts of the zygote's own namespace, before anything is forked (see local.py)."""
+    if opts.get("own_mountns"):
+        private_mount_ns(slave=False)
+    exposed = expose_dirs(opts.get("expose") or [])
+    root = opts.get("root_tmpfs")
+    if root:
+        mount_tmpfs(root["path"], root["mb"], mode=0o711)
+    run_dir = opts.get("run_dir")
+    if run_dir and not os.path.isdir(run_dir):
+        os.mkdir(run_dir, 0o711)
+    return exposed
+
+
+def private_run_mounts(opts, run_tmpfs):
+    """In a run's pid-1: its own mount namespace with a /proc that shows only its own pid
+    namespace (hidepid: nor processes of other uids), and its own size-limited workspace."""
+    private_mount_ns()
+    mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "hidepid=invisible")
+    if run_tmpfs and opts.get("run_dir"):
+        mount_tmpfs(opts["run_dir"], opts["quota_mb"])
 
 
 def children_of(pid):
@@ -412,6 +500,8 @@ def setup_child(opts, req, fds, file_blobs, keep_fd=None):
         os.mkdir(workdir, 0o700)
         if uid is not None:
             os.chown(workdir, uid, uid)
+    elif req.get("private_workdir") and uid is not None:
+        os.chown(workdir, uid, uid)  # the run's own tmpfs, mounted by its pid 1
     if uid is not None:
         os.setgroups([])
         os.setresgid(uid, uid, uid)
@@ -532,7 +622,7 @@ def run_child(opts, req, fds, blobs):
             except OSError:
                 pass
             os.kill(os.getpid(), signal.SIGKILL)  # report like the kernel OOM killer: 137
-            code = 128 + signal.SIGKILL  # still here: we are pid 1 of a namespace
+            code = 128 + signal.SIGKILL
     except BaseException:
         code = 1
     os._exit(code)
@@ -590,37 +680,58 @@ def spare_child(opts, fds):
     run_child(opts, req, (in_fd, out_fd, err_fd, status_fd), blobs)
 
 
-def pidns_leader(opts, req, fds, blobs, target):
-    """Intermediate process: enter a fresh pid namespace; its pid-1 child runs ``target``.
+def pidns_init(opts, target, args, exit_fd, err_fd, run_tmpfs):
+    """pid 1 of a run's fresh pid namespace: private mounts, then the run itself as pid 2.
 
-    When the pid-1 child exits the kernel kills everything left in the namespace. The leader
-    mirrors the child's exit status so the zygote sees it unchanged.
+    The run is never pid 1, so its signals behave as anywhere else (pid 1 ignores SIGTERM
+    sent by itself) and it cannot signal its parent (another uid, or outside its Landlock
+    domain: EPERM). This process keeps no capabilities once the run is forked; it reaps,
+    writes the run's wait status to ``exit_fd`` (a memfd only the zygote and it hold) and
+    exits, and the kernel then kills everything left in the namespace.
     """
     try:
         os.setpgid(0, 0)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if _libc.unshare(CLONE_NEWPID) != 0:
-            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWPID) failed")
+        if opts.get("private_mounts"):
+            private_run_mounts(opts, run_tmpfs)
         pid = os.fork()
     except BaseException as exc:
-        os.write(fds[2], (f"palaestra sandbox: setup failed: {exc!r}\n").encode())
-        os._exit(SETUP_FAILED_EXIT)
-    if pid == 0:
-        target(opts, req, fds, blobs)
-        os._exit(1)
-    _close_fds_from(3)
-    while True:
         try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except InterruptedError:
-            continue
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-        os.kill(os.getpid(), signal.SIGKILL)
-    os._exit(os.WEXITSTATUS(status))
+            os.write(err_fd, (f"palaestra sandbox: setup failed: {exc!r}\n").encode())
+        finally:
+            os._exit(SETUP_FAILED_EXIT)
+    if pid == 0:
+        os.close(exit_fd)
+        target(*args)
+        os._exit(1)
+    code = 1  # no status recorded: the zygote reports this exit (and the run is killed)
+    try:
+        _close_all_but((exit_fd,))
+        drop_capabilities()
+        while True:
+            try:
+                done, status = os.waitpid(-1, 0)
+            except InterruptedError:
+                continue
+            if done == pid:
+                break
+        os.pwrite(exit_fd, struct.pack("<i", status), 0)
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def run_status(status, exit_fd):
+    """The run's wait status: what its pid 1 recorded, or how pid 1 itself ended (killed)."""
+    if exit_fd is None:
+        return status
+    data = os.pread(exit_fd, 4, 0)
+    os.close(exit_fd)
+    if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 and len(data) == 4:
+        return struct.unpack("<i", data)[0]
+    return status
 
 
 # --------------------------------------------------------------------------- persistent kernel
@@ -642,7 +753,7 @@ def kernel_child(opts, req, fds, blobs):
 
 def _kill_cell_leftovers(pidns):
     """Nothing a cell started may outlive it (only the kernel itself survives)."""
-    if pidns:  # we are pid 1 of our own namespace: kill(-1) reaches everything else in it
+    if pidns:  # our namespace holds only this session: kill(-1) reaches all but pid 1 and us
         try:
             os.kill(-1, signal.SIGKILL)
         except OSError:
@@ -715,6 +826,7 @@ class Job:
         self.started = time.monotonic()
         self.timed_out = False
         self.cancelled = False
+        self.exit_fd = None
 
 
 class Kernel:
@@ -726,6 +838,7 @@ class Kernel:
         self.spec = spec
         self.reader = FrameReader(MAX_CHILD_FRAME)
         self.job = None
+        self.exit_fd = None
 
 
 class Zygote:
@@ -741,7 +854,10 @@ class Zygote:
         self.sel = selectors.DefaultSelector()
         self.max_output = int(opts.get("max_output", 1 << 17))
         self.null = os.open(os.devnull, os.O_RDWR)
-        self.spare = None  # (pid, go_w, req_fd, out_fd, err_fd, status_fd)
+        self.spare = None  # (pid, go_w, req_fd, out_fd, err_fd, status_fd, exit_fd)
+        self.stale_dirs = set()  # session mount points to delete once no namespace holds them
+        self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC) \
+            if opts.get("pidns") else -1
 
     # -- plumbing
     def send(self, header, blobs=()):
@@ -751,6 +867,8 @@ class Zygote:
                 data = data[os.write(self.chan_out, data):]
             except InterruptedError:
                 continue
+            except BlockingIOError:  # the channel is non-blocking: wait until the host reads
+                select.select([], [self.chan_out], [], 1.0)
 
     def _memfd(self, name, data=None):
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
@@ -772,34 +890,33 @@ class Zygote:
         return out
 
     def make_spare(self):
-        """Fork the next run's child now, while idle (not in pid-namespace mode)."""
-        if self.spare is not None or self.opts.get("pidns") or self.opts.get("no_spare"):
+        """Fork the next run's child now, while idle (in pid-namespace mode: its pid 1 too,
+        with the run's mounts made), so a request only has to wake it."""
+        if self.spare is not None or self.opts.get("no_spare"):
             return
         go_r, go_w = os.pipe2(os.O_CLOEXEC)
         fds = (go_r, self._memfd("request"), self._memfd("stdout"), self._memfd("stderr"),
                self._memfd("status"))
         try:
-            pid = os.fork()
+            pid, exit_fd = self._fork(spare_child, (self.opts, fds), fds[3], run_tmpfs=True)
         except OSError:
             for fd in (go_w,) + fds:
                 os.close(fd)
             return
-        if pid == 0:
-            spare_child(self.opts, fds)
-            os._exit(1)
         os.close(go_r)
-        self.spare = (pid, go_w) + fds[1:]
+        self.spare = (pid, go_w) + fds[1:] + (exit_fd,)
 
     def drop_spare(self):
         if self.spare is None:
             return
-        pid, go_w, req_fd, out_fd, err_fd, status_fd = self.spare
+        pid, *fds = self.spare
         self.spare = None
-        for fd in (go_w, req_fd, out_fd, err_fd, status_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        for fd in fds:
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
@@ -809,14 +926,15 @@ class Zygote:
         """Hand a run to the waiting spare; returns its pid, or None to fork instead."""
         if self.spare is None:
             return None
-        pid, go_w, req_fd, out_fd, err_fd, status_fd = self.spare
+        pid, go_w, req_fd, out_fd, err_fd, status_fd, exit_fd = self.spare
         self.spare = None
         try:
             os.write(req_fd, pack(req, blobs))
             os.write(go_w, b"g")
         except OSError:  # it died: fall back to a fresh fork
-            for fd in (out_fd, err_fd, status_fd):
-                os.close(fd)
+            for fd in (out_fd, err_fd, status_fd, exit_fd):
+                if fd is not None:
+                    os.close(fd)
             return None
         finally:
             os.close(go_w)
@@ -825,21 +943,40 @@ class Zygote:
                   uid=req.get("uid"))
         job.remove_dir = req["workdir"] if req.get("create_workdir") else None
         job.status_fd = status_fd
+        job.exit_fd = exit_fd
         job.oom_before = self.oom_count()
         self.runs[pid] = job
         return pid
 
-    def _fork(self, target, req, fds, blobs):
-        if self.opts.get("pidns"):
+    def _fork(self, target, args, err_fd, run_tmpfs):
+        """Fork a process that runs ``target(*args)``; returns (pid, exit_fd).
+
+        In pid-namespace mode the child is the pid 1 of a fresh namespace (``pidns_init``) and
+        ``exit_fd`` the memfd where it records the run's status; otherwise None."""
+        if not self.opts.get("pidns"):
             pid = os.fork()
             if pid == 0:
-                pidns_leader(self.opts, req, fds, blobs, target)
-            return pid
-        pid = os.fork()
-        if pid == 0:
-            target(self.opts, req, fds, blobs)
-            os._exit(1)
-        return pid
+                target(*args)
+                os._exit(1)
+            return pid, None
+        exit_fd = self._memfd("exit")
+        try:
+            # The next child is born in a new pid namespace; ours is restored right after, so
+            # every other process we fork (helpers, the next run) stays where we are.
+            if _libc.unshare(CLONE_NEWPID) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"unshare(CLONE_NEWPID) failed: {os.strerror(err)}")
+            try:
+                pid = os.fork()
+                if pid == 0:
+                    pidns_init(self.opts, target, args, exit_fd, err_fd, run_tmpfs)
+            finally:
+                if _libc.setns(self.own_pidns, CLONE_NEWPID) != 0:
+                    os._exit(70)  # cannot happen; never fork further into a stale namespace
+        except BaseException:
+            os.close(exit_fd)
+            raise
+        return pid, exit_fd
 
     # -- requests
     def handle(self, header, blobs):
@@ -861,12 +998,17 @@ class Zygote:
                 ok = kill_descendants(self.pid, keep=self.tracked(), uid=uid)
                 self.send({"op": "ok", "id": header["id"], "clean": ok})
             elif op == "mkdir":
-                os.mkdir(header["path"], 0o700)
-                if header.get("uid") is not None:
-                    os.chown(header["path"], header["uid"], header["uid"])
+                self.make_workdir(header["path"], header.get("uid"), header.get("quota_mb"))
                 self.send({"op": "ok", "id": header["id"]})
             elif op == "rmtree":
-                remove_tree(header["path"])
+                path = header["path"]
+                if unmount(path):
+                    self.drop_spare()  # its copy of our mounts would keep the tmpfs alive
+                remove_tree(path)
+                if os.path.lexists(path):
+                    # still a mount point in a run's namespace (the spare just killed, a run
+                    # still exiting): removed once that namespace is gone
+                    self.stale_dirs.add(path)
                 self.send({"op": "ok", "id": header["id"]})
             elif op == "write_file":
                 owner = header.get("owner")
@@ -886,6 +1028,15 @@ class Zygote:
             self.send({"op": "error", "id": header.get("id"),
                        "error": f"{type(exc).__name__}: {exc}"})
 
+    def make_workdir(self, path, uid, quota_mb):
+        """A session's directory; with a quota, its own tmpfs of ``quota_mb`` MiB."""
+        os.mkdir(path, 0o700)
+        if quota_mb:
+            self.drop_spare()  # forked before this mount: it would not see it
+            mount_tmpfs(path, quota_mb, uid=uid)
+        elif uid is not None:
+            os.chown(path, uid, uid)
+
     def start_run(self, req, blobs):
         if self._dispatch_to_spare(req, blobs) is not None:
             return
@@ -900,13 +1051,15 @@ class Zygote:
             fds += (status_fd,)
         oom_before = self.oom_count()
         try:
-            pid = self._fork(run_child, req, fds, blobs[:files_n])
+            pid, exit_fd = self._fork(run_child, (self.opts, req, fds, blobs[:files_n]), err_fd,
+                                      run_tmpfs=bool(req.get("private_workdir")))
         finally:
             os.close(in_fd)
         deadline = time.monotonic() + float(req["timeout"])
         job = self.runs[pid] = Job(req["id"], out_fd, err_fd, deadline, uid=req.get("uid"))
         job.remove_dir = req["workdir"] if req.get("create_workdir") else None
         job.status_fd = status_fd
+        job.exit_fd = exit_fd
         job.oom_before = oom_before
 
     def oom_count(self):
@@ -950,11 +1103,13 @@ class Zygote:
         spec = dict(req, _sock_fd=child_sock.fileno(), files=[])
         fds = (self.null, self.null, self.null)
         try:
-            pid = self._fork(kernel_child, spec, fds, [])
+            pid, exit_fd = self._fork(kernel_child, (self.opts, spec, fds, []), self.null,
+                                      run_tmpfs=False)
         finally:
             child_sock.close()
         parent_sock.setblocking(False)
         kernel = Kernel(pid, parent_sock, req.get("uid"), req)
+        kernel.exit_fd = exit_fd
         self.kernels[req["session"]] = kernel
         self.kernel_pids[pid] = kernel
         self.sel.register(parent_sock, selectors.EVENT_READ, ("kernel", req["session"]))
@@ -1065,6 +1220,7 @@ class Zygote:
             return
         job = self.runs.pop(pid, None)
         if job is not None:
+            status = run_status(status, job.exit_fd)
             self.sweep(job.uid)
             self.finish(job, status=status, ru=ru)
             if job.remove_dir:
@@ -1073,6 +1229,7 @@ class Zygote:
         kernel = self.kernel_pids.pop(pid, None)
         if kernel is None:
             return
+        status = run_status(status, kernel.exit_fd)
         if self.kernels.get(kernel.session) is kernel:
             del self.kernels[kernel.session]
         if kernel.sock is not None:
@@ -1143,9 +1300,19 @@ class Zygote:
 
     def reap(self):
         reap_strays(())
+        reaped = bool(_STRAY_EXITS)
         while _STRAY_EXITS:
             pid, (status, ru) = _STRAY_EXITS.popitem()
             self.on_exit(pid, status, ru)
+        if reaped and self.stale_dirs:
+            for path in list(self.stale_dirs):
+                try:
+                    os.rmdir(path)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    continue
+                self.stale_dirs.discard(path)
 
     def shutdown(self):
         self.drop_spare()
@@ -1194,10 +1361,37 @@ def probe_features(opts):
     """What this process may use; reported to the host in the ``ready`` frame."""
     abi = landlock_abi() if opts.get("landlock", True) else 0
     feats = {"landlock_abi": abi, "euid": os.geteuid(), "pid": os.getpid()}
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
     pid = os.fork()
-    if pid == 0:  # can children get their own pid namespace?
-        os._exit(0 if _libc.unshare(CLONE_NEWPID) == 0 else 1)
-    feats["pidns_ok"] = os.waitpid(pid, 0)[1] == 0
+    if pid == 0:  # can runs get their own pid namespace (and, in it, their own mounts)?
+        os.close(err_r)
+        code = 1
+        try:
+            if _libc.unshare(CLONE_NEWPID) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"unshare(CLONE_NEWPID): {os.strerror(err)}")
+            code = 2
+            inner = os.fork()
+            if inner == 0:
+                try:
+                    if opts.get("private_mounts"):
+                        private_run_mounts(opts, True)
+                    os._exit(0)
+                except BaseException as exc:
+                    os.write(err_w, str(exc).encode()[:500])
+                    os._exit(2)
+            code = os.waitstatus_to_exitcode(os.waitpid(inner, 0)[1])
+        except BaseException as exc:
+            os.write(err_w, str(exc).encode()[:500])
+        os._exit(code)
+    os.close(err_w)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    problem = os.read(err_r, 1000).decode("utf-8", "replace")
+    os.close(err_r)
+    feats["pidns_ok"] = code in (0, 2)
+    feats["mounts_ok"] = code == 0 and bool(opts.get("private_mounts"))
+    if problem:
+        feats["problem"] = problem
     with open("/proc/self/status") as fh:
         for line in fh:
             if line.startswith("VmSize:"):
@@ -1242,16 +1436,28 @@ def main():
     opts["_hard_limits"] = hard_limits()
     os.environ.clear()
     os.environ.update(opts.get("env", {}))
+    try:
+        exposed = prepare_zygote_mounts(opts)
+        setup_error = None
+    except OSError as exc:
+        exposed, setup_error = [], str(exc)
+        opts["private_mounts"] = False
     feats = probe_features(opts)
+    feats["exposed"] = exposed
+    if setup_error:
+        feats["setup_error"] = setup_error
     opts["landlock_abi"] = min(feats["landlock_abi"], int(opts.get("landlock_max_abi", 99)))
     opts["_landlock"] = landlock_prepare(opts["landlock_abi"], opts.get("ro_paths", ["/"]),
                                          opts.get("dev_files", [])) \
         if opts["landlock_abi"] else None
     if opts.get("pidns") and not feats["pidns_ok"]:
-        opts["pidns"] = False
+        opts["pidns"] = False  # the host refuses to use us unless it asked for no pidns
+    if not feats["mounts_ok"]:
+        opts["private_mounts"] = False
     zyg = Zygote(chan_in, chan_out, opts)
     zyg.reader = reader
     feats["pidns"] = bool(opts.get("pidns"))
+    feats["private_mounts"] = bool(opts.get("private_mounts"))
     zyg.send({"op": "ready", "features": feats})
     import gc
     gc.collect()

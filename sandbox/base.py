@@ -307,6 +307,8 @@ class SandboxSession:
         return self.sandbox._session_workdir(self._handle)
 
     async def open(self) -> SandboxSession:
+        if self._closed:  # never re-open: a closed session's calls fail (and leak nothing)
+            self._need_open()
         if self._handle is None:
             await self.sandbox.start()
             self._handle = await self.sandbox._open_session(self.persistent_python)

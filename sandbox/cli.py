@@ -31,6 +31,12 @@ except OSError as e:
     obs["write_outside"] = "blocked (%s)" % e.strerror
 obs["host_env_visible"] = "PALAESTRA_DOCTOR_SECRET" in os.environ
 obs["uid"] = os.getuid()
+obs["pid"] = os.getpid()
+obs["visible_pids"] = len([p for p in os.listdir("/proc") if p.isdigit()])
+try:
+    os.kill(os.getppid(), 0); obs["signal_parent"] = "ALLOWED"
+except OSError as e:
+    obs["signal_parent"] = "blocked (%s)" % e.strerror
 print(json.dumps(obs))
 """
 
@@ -85,7 +91,7 @@ async def _live_check(backend: str) -> dict[str, Any]:
 
 
 async def _doctor(docker: bool, as_json: bool) -> int:
-    from palaestra.sandbox.probe import probe_isolation
+    from palaestra.sandbox.probe import describe_mode, probe_isolation
 
     report = probe_isolation()
     local = await _live_check("local")
@@ -107,13 +113,19 @@ async def _doctor(docker: bool, as_json: bool) -> int:
                 continue
             info = out[name]
             print(f"\n{name} sandbox live check: {'OK' if info.get('ok') else 'FAILED'}")
+            if name == "local" and "mode" in info:
+                print("  layers in force (live):")
+                for line in describe_mode(info["mode"]):
+                    print(f"    - {line}")
             for key in ("mode", "start_s", "run_ms", "network", "write_outside",
-                        "host_env_visible", "uid", "error"):
-                if key in info:
+                        "host_env_visible", "uid", "pid", "visible_pids", "signal_parent",
+                        "error"):
+                if key in info and not (name == "local" and key == "mode"):
                     print(f"  {key:17s} {info[key]}")
     ok = bool(local.get("ok")) and local.get("network", "").startswith("blocked") \
         and local.get("write_outside", "").startswith("blocked") \
-        and not local.get("host_env_visible", True)
+        and not local.get("host_env_visible", True) \
+        and local.get("signal_parent", "").startswith("blocked")
     if docker:
         ok = ok and bool(out["docker"].get("ok"))
     return 0 if ok else 1

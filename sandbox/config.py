@@ -60,9 +60,10 @@ class SandboxConfig:
     use_bwrap: bool | None = None
     """Use bubblewrap (None: when it works here)."""
     per_run_uid: bool | None = None
-    """Give each run its own unprivileged uid (None: when running as root)."""
+    """Give each run its own unprivileged uid (None: when running as root, which it needs)."""
     per_run_pid_namespace: bool | None = None
-    """Give each run its own pid namespace (None: when no per-run uid is used)."""
+    """Give each run its own pid namespace, /proc and workspace tmpfs (None or True: always,
+    and the sandbox refuses to start where it cannot; False accepts weaker isolation)."""
     workers: int | None = None
     """Warm zygote processes (local backend), each forking children for its share of runs;
     None: one per CPU, at most 2 (forks are serial within one zygote)."""
@@ -87,7 +88,8 @@ class SandboxConfig:
     docker_user: str = "65534:65534"
     """Non-root user the container runs as."""
     workspace_mb: int = 512
-    """Size of the tmpfs holding working directories (local: all runs; docker: per container)."""
+    """Size limit of each run's and each session's own workspace tmpfs (local), so one cannot
+    fill another's; of each container's workspace (docker)."""
     docker_url: str | None = None
     """Docker engine URL (default: from the environment, i.e. the local socket)."""
 

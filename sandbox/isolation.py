@@ -2,9 +2,10 @@
 
 Three launchers, strongest first: bubblewrap (new mount, network, pid, ipc and uts namespaces;
 only system directories, a curated /etc and the interpreter visible, read-only), ``unshare``
-(new network/pid/ipc/uts namespaces; the filesystem is then confined by Landlock alone), or
-none (only with ``allow_network_isolation_fallback``: seccomp and Landlock in the child still
-block sockets). Landlock rules inside every child use the same read-only list.
+(new network/pid/ipc/uts/mount namespaces; the filesystem is then confined by Landlock alone),
+or none (only with ``allow_network_isolation_fallback``: seccomp and Landlock in the child still
+block sockets). Landlock rules inside every child use the same read-only list. Under every
+launcher the zygote makes each run's pid and mount namespaces itself (``_agent.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ DEV_FILES: tuple[str, ...] = ("/dev/null", "/dev/zero", "/dev/full", "/dev/rando
 #: Capabilities the zygote keeps under bwrap (as root) to give each run its own uid.
 ZYGOTE_CAPS_UID: tuple[str, ...] = ("CAP_SETUID", "CAP_SETGID", "CAP_CHOWN", "CAP_KILL",
                                     "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER")
-#: Extra capability for a per-run pid namespace.
+#: Extra capability for per-run pid and mount namespaces (and the workspace tmpfs mounts).
 ZYGOTE_CAPS_PIDNS: tuple[str, ...] = ("CAP_SYS_ADMIN",)
 
 

@@ -1,9 +1,12 @@
 """``LocalSandbox``: the default backend, no daemon needed, ~2 ms per run.
 
 A warm zygote (``_agent.py``) runs inside bubblewrap (or ``unshare``) with the filesystem
-read-only and no network; it forks a fresh child per run that applies rlimits, its own uid
-(when the host runs as root) or pid namespace, Landlock and seccomp before running the code.
-Stateless runs get a fresh working directory that is deleted afterwards; sessions keep one.
+read-only and no network. Every run gets its own pid namespace (the run is pid 2 under a pid 1
+that reaps and reports), a /proc showing only itself, its own uid when the host runs as root,
+rlimits, Landlock and seccomp. Stateless runs get a fresh tmpfs of ``workspace_mb`` in their own
+mount namespace; each session gets its own tmpfs of that size, so no run or session can fill
+another's workspace. Where these layers cannot be had the sandbox refuses to start and says how
+to fix it (``palaestra sandbox doctor`` shows what is in force).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import logging
 import os
 import shutil
 import tempfile
@@ -43,6 +47,11 @@ MIB = 1024 * 1024
 HOST_GRACE_S = 10.0
 #: Where working directories live inside bubblewrap (a private tmpfs).
 BWRAP_ROOT = "/sandbox"
+#: Working directory of every stateless run, below the root: each run mounts its own tmpfs
+#: there in its own mount namespace, so runs never share (or fill) one directory.
+RUN_DIR = "run"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,6 +89,8 @@ class LocalSandbox(Sandbox):
         self.report: IsolationReport | None = None
         self._cgroup: PidsCgroup | None = None
         self._sessions: dict[str, _LocalSession] = {}
+        self._quotas = False
+        self._workdirs_in_worker = False
         self.mode: dict[str, Any] = {}
 
     # -- lifecycle
@@ -91,27 +102,26 @@ class LocalSandbox(Sandbox):
         per_run_uid = report.root if cfg.per_run_uid is None else cfg.per_run_uid
         if per_run_uid and not report.root:
             raise IsolationUnavailableError("per_run_uid=True needs root; leave it unset")
-        if per_run_uid and launcher != "bwrap" and not _world_traversable(layout.dirs):
-            if cfg.per_run_uid:
-                raise IsolationUnavailableError(
-                    f"per-run uids cannot read the interpreter under {layout.dirs[0]} without "
-                    "bubblewrap (a parent directory is not world-searchable); install bubblewrap")
-            per_run_uid = False
-        pidns = (not per_run_uid) if cfg.per_run_pid_namespace is None \
-            else cfg.per_run_pid_namespace
+        if not report.root and cfg.per_run_uid is None:
+            log.warning("palaestra sandbox: not running as root, so runs share your (unprivileged) "
+                        "uid instead of getting one each; run as root for per-run uids")
+        # Every run in its own pid namespace with its own /proc and workspace tmpfs, unless the
+        # caller explicitly accepts less (per_run_pid_namespace=False).
+        pidns = cfg.per_run_pid_namespace is not False
         from palaestra.sandbox.seccomp import build_filter_bpf
 
         self._seccomp = await asyncio.to_thread(build_filter_bpf)
         if launcher == "bwrap":
             self._root, self._host_root = BWRAP_ROOT, ""
-            caps: tuple[str, ...] = ()
-            if report.root:
-                caps = ZYGOTE_CAPS_UID + (ZYGOTE_CAPS_PIDNS if pidns else ())
+            caps: tuple[str, ...] = ZYGOTE_CAPS_UID if per_run_uid else ()
+            if pidns:
+                caps += ZYGOTE_CAPS_PIDNS
             assert report.bwrap is not None
             self._launcher = bwrap_argv(report.bwrap, layout, self._root, cfg.ro_paths, caps,
                                         cfg.workspace_mb)
         else:
-            # No private mount namespace: working directories live in a host temp directory.
+            # The directory exists on the host; the zygote covers it with a tmpfs in its own
+            # mount namespace (unshare; none as root), so nothing lands on the host's disk.
             self._root = self._host_root = tempfile.mkdtemp(prefix="palaestra-sbx-",
                                                             dir=cfg.workdir_root)
             os.chmod(self._root, 0o711)  # runs may enter their own directory, not list others
@@ -131,11 +141,18 @@ class LocalSandbox(Sandbox):
         # bubblewrap's /dev holds only null, zero, full, random, urandom, tty and friends: one
         # rule for it; on the host /dev, only the listed files (never block devices).
         dev_files = ["/dev"] if launcher == "bwrap" else list(DEV_FILES)
+        own_mounts = launcher == "unshare" or (launcher == "none" and report.root)
+        expose = [] if launcher == "bwrap" or not per_run_uid else \
+            [*layout.dirs, *(os.path.realpath(p) for p in cfg.ro_paths if os.path.exists(p))]
         self._init_opts = {
             "ro_paths": ro_paths, "dev_files": dev_files,
             "env": child_env, "max_output": cfg.max_output_bytes, "pidns": pidns,
-            "drop_caps": report.root and not per_run_uid, "landlock": True,
+            "private_mounts": pidns, "run_dir": f"{self._root}/{RUN_DIR}",
+            "quota_mb": cfg.workspace_mb, "own_mountns": launcher == "none" and report.root,
+            "root_tmpfs": {"path": self._root, "mb": cfg.workspace_mb} if own_mounts else None,
+            "expose": expose, "drop_caps": not per_run_uid, "landlock": True,
         }
+        self._workdirs_in_worker = launcher == "bwrap" or own_mounts
         self._uids = UidRange() if per_run_uid else None
         self.mode = {"launcher": launcher, "per_run_uid": per_run_uid, "per_run_pidns": pidns,
                      "landlock_abi": report.landlock_abi, "seccomp": bool(self._seccomp),
@@ -145,18 +162,37 @@ class LocalSandbox(Sandbox):
         self._restart_locks = [asyncio.Lock() for _ in range(n_workers)]
         try:
             await asyncio.gather(*(self._worker(i) for i in range(n_workers)))
+            feats = self._workers[0].features if self._workers[0] else {}
+            self._check_features(feats, pidns)
         except BaseException:
             await self._close()
             raise
-        feats = self._workers[0].features if self._workers[0] else {}
-        self.mode["per_run_pidns"] = bool(feats.get("pidns"))
-        self.mode["landlock_abi"] = feats.get("landlock_abi", 0)
+        self._quotas = bool(feats.get("private_mounts"))
+        self.mode.update(private_proc=self._quotas, workspace_quota_mb=cfg.workspace_mb
+                         if self._quotas else None, exposed=feats.get("exposed", []),
+                         per_run_pidns=bool(feats.get("pidns")),
+                         landlock_abi=feats.get("landlock_abi", 0))
         vm_mb = feats.get("vmsize_kb", 0) / 1024
         if vm_mb + 32 > cfg.memory_mb:
             await self._close()
             raise ConfigError(f"memory_mb={cfg.memory_mb} leaves no room: the warm interpreter "
                               f"already maps {vm_mb:.0f} MiB (preloaded modules); raise memory_mb "
                               "or preload fewer modules")
+
+    def _check_features(self, feats: dict[str, Any], pidns: bool) -> None:
+        """Refuse to run weaker than asked: every problem with the fix in one message."""
+        why = feats.get("setup_error") or feats.get("problem") or "unknown reason"
+        if pidns and not (feats.get("pidns") and feats.get("private_mounts")):
+            raise IsolationUnavailableError(
+                f"runs cannot get their own pid and mount namespaces here ({why}), so the "
+                "sandbox refuses to start. Install bubblewrap (apt-get install bubblewrap, or "
+                "bash scripts/setup.sh as root) and run as root with CAP_SYS_ADMIN (not in a "
+                "locked-down container) or with unprivileged user namespaces enabled; "
+                "per_run_pid_namespace=False accepts the weaker isolation explicitly.")
+        if feats.get("setup_error"):
+            raise IsolationUnavailableError(
+                f"the sandbox worker could not prepare its mounts ({why}); install bubblewrap "
+                "(apt-get install bubblewrap) or run as root")
 
     def _choose_launcher(self, report: IsolationReport) -> str:
         cfg = self.config
@@ -194,10 +230,10 @@ class LocalSandbox(Sandbox):
                               self.config.preload, clean_env())
             await zyg.start(self._init_opts, self._seccomp)
             self._workers[index] = zyg
-            if self._host_root == "":  # working directories lived in the dead worker's tmpfs
+            if self._workdirs_in_worker:  # working directories lived in the dead worker
                 for sess in self._sessions.values():
                     if sess.worker == index:
-                        await zyg.request({"op": "mkdir", "path": sess.workdir, "uid": sess.uid},
+                        await zyg.request(self._mkdir_request(sess.workdir, sess.uid),
                                           timeout=60)
                         sess.note = LOST_FILES_NOTE
             return zyg
@@ -250,12 +286,16 @@ class LocalSandbox(Sandbox):
         if handle is None:
             _, zyg = await self._pick()
             uid = self._uids.acquire() if self._uids is not None else None
-            workdir, create = f"{self._root}/r{next(self._ids)}", True
+            if self._quotas:  # the run's own tmpfs, in its own mount namespace
+                workdir, create = f"{self._root}/{RUN_DIR}", False
+            else:
+                workdir, create = f"{self._root}/r{next(self._ids)}", True
         else:
             zyg = await self._worker(handle.worker)
             uid, workdir, create = handle.uid, handle.workdir, False
         header = {"op": "run", "kind": spec.kind, "code": spec.code, "argv": list(spec.argv),
                   "workdir": workdir, "create_workdir": create, "uid": uid,
+                  "private_workdir": self._quotas and handle is None,
                   "files": [name for name, _ in spec.files], "has_stdin": spec.stdin is not None,
                   "timeout": spec.timeout, "limits": self._limits(spec.timeout)}
         blobs = [data for _, data in spec.files]
@@ -276,13 +316,18 @@ class LocalSandbox(Sandbox):
         uid = self._uids.acquire() if self._uids is not None else None
         sid = f"s{next(self._ids)}"
         workdir = f"{self._root}/{sid}"
-        reply, _ = await zyg.request({"op": "mkdir", "path": workdir, "uid": uid}, timeout=60)
+        reply, _ = await zyg.request(self._mkdir_request(workdir, uid), timeout=60)
         if reply.get("op") != "ok":
             if uid is not None and self._uids is not None:
                 self._uids.release(uid)
             raise SandboxError(f"cannot create the session directory: {reply.get('error')}")
         sess = self._sessions[sid] = _LocalSession(sid, workdir, uid, index, persistent_python)
         return sess
+
+    def _mkdir_request(self, path: str, uid: int | None) -> dict[str, Any]:
+        """A session's directory: its own tmpfs of ``workspace_mb`` where quotas are on."""
+        return {"op": "mkdir", "path": path, "uid": uid,
+                "quota_mb": self.config.workspace_mb if self._quotas else None}
 
     async def _close_session(self, handle: _LocalSession) -> None:
         self._sessions.pop(handle.sid, None)
@@ -342,19 +387,6 @@ def _with_note(result: ExecResult, handle: _LocalSession | None) -> ExecResult:
         return result
     note, handle.note = handle.note, ""
     return dataclasses.replace(result, stderr=note + result.stderr)
-
-
-def _world_traversable(dirs: tuple[str, ...]) -> bool:
-    for d in dirs:
-        path = d
-        while path not in ("/", ""):
-            try:
-                if not os.stat(path).st_mode & 0o001:
-                    return False
-            except OSError:
-                return False
-            path = os.path.dirname(path)
-    return True
 
 
 def _remove_tree(path: str) -> None:

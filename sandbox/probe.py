@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 from dataclasses import dataclass, field
+from typing import Any
 
 from palaestra.sandbox.isolation import unshare_argv
 
@@ -59,7 +60,9 @@ class IsolationReport:
         if self.seccomp:
             out.append("seccomp filter (no inet sockets, no ptrace/mount/ns/bpf/io_uring)")
         out.append("rlimits (cpu, address space, processes, file size, open files)")
-        out.append("per-run uid" if self.per_run_uid else "per-run pid namespace")
+        if self.per_run_uid:
+            out.append("per-run unprivileged uid")
+        out.append("per-run pid namespace with its own /proc (hidepid) and workspace tmpfs quota")
         out.append("scrubbed environment, fresh working directory, output caps")
         return out
 
@@ -75,7 +78,7 @@ class IsolationReport:
         ]
         width = max(len(k) for k, _ in rows)
         lines = [f"{k:<{width}}  {v}" for k, v in rows]
-        lines.append("layers in force:")
+        lines.append("default layers:")
         lines += [f"  - {layer}" for layer in self.layers()]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -128,3 +131,26 @@ def probe_isolation() -> IsolationReport:
         notes.append("pyseccomp/libseccomp unavailable: pip install 'palaestra[sandbox]'")
     return IsolationReport(root=root, bwrap=bwrap, bwrap_version=version, unshare=unshare,
                            landlock_abi=abi, seccomp=seccomp, notes=tuple(notes))
+
+
+def describe_mode(mode: dict[str, Any]) -> list[str]:
+    """The layers a started local sandbox has in force (its ``mode``), one line each."""
+    out = [f"launcher: {mode.get('launcher')}"]
+    out.append("uid separation: each run its own unprivileged uid" if mode.get("per_run_uid")
+               else "uid separation: NO, runs keep the sandbox's uid (per-run uids need root)")
+    out.append("pid namespace: each run its own (the run is pid 2; pid 1 reaps and reports)"
+               if mode.get("per_run_pidns") else
+               "pid namespace: NOT per run (per_run_pid_namespace=False)")
+    out.append("/proc: private per run (own pid namespace, hidepid=invisible)"
+               if mode.get("private_proc") else "/proc: shared by the runs of one worker")
+    quota = mode.get("workspace_quota_mb")
+    out.append(f"workspace quota: {quota} MiB tmpfs per run and per session" if quota
+               else "workspace quota: NONE per session (one tmpfs shared by all runs)")
+    if mode.get("exposed"):
+        out.append(f"closed directories re-exposed for per-run uids: {mode['exposed']}")
+    abi = mode.get("landlock_abi")
+    out.append(f"landlock ABI {abi}" if abi else "landlock: NONE")
+    out.append("seccomp filter" if mode.get("seccomp") else "seccomp: NONE")
+    out.append(f"pids cgroup: {mode['pids_cgroup']}" if mode.get("pids_cgroup")
+               else "pids cgroup: none (per-uid RLIMIT_NPROC only)")
+    return out

@@ -28,6 +28,7 @@ from sandbox_testutil import (
 )
 
 from palaestra.sandbox import ExecResult, Sandbox
+from palaestra.sandbox.probe import probe_isolation
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -41,10 +42,15 @@ print(json.dumps({"files": sorted(os.listdir(".")),
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=[
-    "local", pytest.param("docker", marks=[pytest.mark.docker, requires_docker()])])
+    "local", pytest.param("local-unshare", marks=pytest.mark.skipif(
+        probe_isolation().unshare is None, reason="unshare cannot create namespaces here")),
+    pytest.param("docker", marks=[pytest.mark.docker, requires_docker()])])
 async def sb(request: pytest.FixtureRequest):
+    # local-unshare: the fallback launcher, forced even where bubblewrap is installed
+    kwargs = {"backend": "local", "use_bwrap": False} if request.param == "local-unshare" \
+        else {"backend": request.param}
     with planted_secrets():  # in the host environment for the whole module
-        async with Sandbox(backend=request.param, memory_mb=256, max_processes=48) as box:
+        async with Sandbox(memory_mb=256, max_processes=48, **kwargs) as box:
             yield box
 
 

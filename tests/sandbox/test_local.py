@@ -14,13 +14,18 @@ import pytest_asyncio
 from sandbox_testutil import host_processes_matching, processes_with_uid_in
 
 from palaestra.sandbox import ExecResult, Sandbox, SandboxError, SandboxFileError
+from palaestra.sandbox.probe import probe_isolation
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def sb():
-    async with Sandbox(env={"EXTRA_VAR": "given"}, max_output_bytes=4096) as box:
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[
+    "default", pytest.param("unshare", marks=pytest.mark.skipif(
+        probe_isolation().unshare is None, reason="unshare cannot create namespaces here"))])
+async def sb(request: pytest.FixtureRequest):
+    # "unshare": the fallback launcher, forced even where bubblewrap is installed
+    kwargs = {"use_bwrap": False} if request.param == "unshare" else {}
+    async with Sandbox(env={"EXTRA_VAR": "given"}, max_output_bytes=4096, **kwargs) as box:
         yield box
 
 
@@ -55,13 +60,15 @@ async def test_files_and_stdin(sb: Sandbox) -> None:
 
 
 async def test_each_run_gets_a_fresh_directory(sb: Sandbox) -> None:
-    first = await sb.run("import os\nopen('left-behind', 'w').write('x')\nprint(os.getcwd())")
-    second = await sb.run("import os\nprint(os.getcwd(), os.listdir('.'))")
+    first = await sb.run("import os\nopen('left-behind', 'w').write('x')\nprint(os.listdir('.'))")
+    second = await sb.run("import os\nprint(os.listdir('.'), os.access('.', os.W_OK))")
     assert first.ok and second.ok
-    assert first.stdout.strip() != second.stdout.split()[0]
-    assert second.stdout.split(maxsplit=1)[1].strip() == "[]"
-    gone = await sb.run(f"import os\nprint(os.path.exists({first.stdout.strip()!r}))")
-    assert gone.stdout == "False\n"  # the first run's directory was deleted
+    assert first.stdout == "['left-behind']\n"
+    assert second.stdout == "[] True\n"  # nothing of the first run is left, and it may write
+    both = await asyncio.gather(*(sb.run("import os, time\nopen('mine', 'w').write(str(os.getpid()))"
+                                         "\ntime.sleep(0.3)\nprint(os.listdir('.'))")
+                                  for _ in range(2)))
+    assert [r.stdout for r in both] == ["['mine']\n"] * 2  # concurrent runs: one each
 
 
 async def test_stderr_is_capped_too(sb: Sandbox) -> None:
@@ -202,6 +209,7 @@ async def test_no_stray_uids_or_directories_when_idle(sb: Sandbox) -> None:
     uids = sb._uids  # type: ignore[attr-defined]
     if uids is not None:
         assert processes_with_uid_in(uids.base, uids.base + 4096) == []
-    res = await sb.run("import os\nprint([p for p in (f'/sandbox/r{i}' for i in range(1, 400))\n"
-                       "       if os.path.exists(p) and p != os.getcwd()])")
-    assert res.stdout == "[]\n"  # no run directory outlives its run
+    root = sb._root  # type: ignore[attr-defined]
+    res = await sb.run(f"import os\nprint([p for p in (f'{root}/{{k}}{{i}}' for i in range(1, 400)"
+                       " for k in 'rs')\n       if os.path.exists(p) and p != os.getcwd()])")
+    assert res.stdout == "[]\n"  # no run or session directory outlives its run or session

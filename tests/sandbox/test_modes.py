@@ -1,6 +1,6 @@
 """The weaker isolation modes still hold the core guarantees, and the sandbox fails closed.
 
-* per-run pid namespaces instead of per-run uids (``per_run_uid=False``),
+* runs keeping uid 0 without capabilities in their own pid namespace (``per_run_uid=False``),
 * ``unshare`` instead of bubblewrap (filesystem confined by Landlock alone),
 * no network namespace at all: refused unless ``allow_network_isolation_fallback=True``, and
   then seccomp + Landlock still block sockets and writes.
@@ -108,6 +108,9 @@ async def test_explicit_fallback_still_blocks_sockets_and_writes(
     _no_namespaces(monkeypatch)
     async with Sandbox(allow_network_isolation_fallback=True) as sb:
         assert sb.mode["launcher"] == "none" and sb.mode["seccomp"]
+        # no network namespace, but as root still a uid and a pid namespace per run
+        assert sb.mode["per_run_pidns"] and sb.mode["private_proc"]
+        assert sb.mode["per_run_uid"] == probe_isolation().root
         import json
 
         with planted_secrets():

@@ -21,9 +21,19 @@ def test_doctor_reports_the_isolation_in_force() -> None:
     assert local["ok"] and local["network"].startswith("blocked")
     assert local["write_outside"].startswith("blocked") and local["host_env_visible"] is False
     assert report["probe"]["network_isolation"] in ("bwrap", "unshare")
+    assert local["pid"] == 2 and local["visible_pids"] <= 2  # its own pid namespace and /proc
+    assert local["signal_parent"].startswith("blocked")
+    mode = local["mode"]
+    assert mode["launcher"] == report["probe"]["network_isolation"]
+    assert mode["per_run_pidns"] and mode["private_proc"] and mode["workspace_quota_mb"]
+    assert mode["per_run_uid"] == report["probe"]["root"]
+    assert (local["uid"] != 0) == report["probe"]["root"]
     text = _cli("doctor")
     assert text.returncode == 0 and "layers in force" in text.stdout
     assert "local sandbox live check: OK" in text.stdout
+    for layer in ("launcher: ", "uid separation: ", "pid namespace: each run its own",
+                  "/proc: private per run", "workspace quota: "):
+        assert layer in text.stdout, text.stdout
 
 
 def test_run_a_file(tmp_path: Path) -> None:
