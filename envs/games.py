@@ -19,6 +19,11 @@ Built in (data: none, boards come from the task's seed; licence: gymnasium, MIT)
 Task rows: ``{"seed": int}`` (FrozenLake also takes ``"size"``); without a task the seed is drawn
 from the reset seed. ``info["success"]`` is 1.0 when the game was won (goal reached, passenger
 delivered, hand won).
+
+Invalid moves are never a way out: an unreadable or nonexistent move earns ``invalid_reward``,
+by default the game's worst single-step reward (FrozenLake 0, Taxi -10, CliffWalking -100,
+Blackjack -1), and ending the episode through ``max_invalid`` invalid moves in a row charges
+every remaining turn the same, so giving up never scores better than playing badly.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import gymnasium
 import numpy as np
 
 from palaestra.envs.base import MultiTurnEnv, StepResult
+from palaestra.envs.rewards import extract_tag
 from palaestra.errors import ConfigError
 from palaestra.types import Message, StopReason
 
@@ -38,7 +44,13 @@ RenderFn = Callable[[gymnasium.Env, Any], str]
 ParseFn = Callable[[str], "int | None"]
 SuccessFn = Callable[[gymnasium.Env, Any, float, bool], bool]
 
-_ACTION_TAG = re.compile(r"<action>(.*?)</action>", re.DOTALL | re.IGNORECASE)
+_MAX_DIGITS = 6  # a move number longer than this is no move (int() of 5,000 digits raises)
+
+
+def _action_text(text: str) -> str:
+    """The last ``<action>...</action>`` (any case), else the whole message."""
+    found = extract_tag(text, "action", ignore_case=True)
+    return text if found is None else found
 
 
 def action_parser(names: Sequence[str]) -> ParseFn:
@@ -49,11 +61,10 @@ def action_parser(names: Sequence[str]) -> ParseFn:
     lookup = {name.lower(): i for i, name in enumerate(names)}
 
     def parse(text: str) -> int | None:
-        found = _ACTION_TAG.findall(text)
-        candidate = (found[-1] if found else text).strip().strip(".").strip().lower()
+        candidate = _action_text(text).strip().strip(".").strip().lower()
         if candidate in lookup:
             return lookup[candidate]
-        if re.fullmatch(r"\d+", candidate):
+        if re.fullmatch(rf"[0-9]{{1,{_MAX_DIGITS}}}", candidate):
             return int(candidate)
         return None
 
@@ -62,9 +73,8 @@ def action_parser(names: Sequence[str]) -> ParseFn:
 
 def default_parse(text: str) -> int | None:
     """The integer inside the last ``<action>N</action>`` (or a bare integer message)."""
-    found = _ACTION_TAG.findall(text)
-    candidate = (found[-1] if found else text).strip()
-    return int(candidate) if re.fullmatch(r"-?\d+", candidate) else None
+    candidate = _action_text(text).strip()
+    return int(candidate) if re.fullmatch(rf"-?[0-9]{{1,{_MAX_DIGITS}}}", candidate) else None
 
 
 def default_render(env: gymnasium.Env, observation: Any) -> str:
@@ -80,6 +90,8 @@ class TextGameEnv(MultiTurnEnv):
 
     snapshot_exclude: ClassVar[tuple[str, ...]] = ("render_fn", "parse_fn", "success_fn")
     step_in_thread: ClassVar[bool] = False  # toy games step in microseconds
+    #: ``invalid_reward`` when none is given: the game's worst single-step reward
+    default_invalid_reward: ClassVar[float] = 0.0
 
     def __init__(
         self,
@@ -91,7 +103,7 @@ class TextGameEnv(MultiTurnEnv):
         env_kwargs: Mapping[str, Any] | None = None,
         success_fn: SuccessFn | None = None,
         max_turns: int = 30,
-        invalid_reward: float = 0.0,
+        invalid_reward: float | None = None,
         max_invalid: int = 3,
         **kwargs: Any,
     ) -> None:
@@ -102,7 +114,8 @@ class TextGameEnv(MultiTurnEnv):
         self.parse_fn = parse_fn
         self.success_fn = success_fn
         self.instructions = instructions
-        self.invalid_reward = float(invalid_reward)
+        self.invalid_reward = float(self.default_invalid_reward if invalid_reward is None
+                                    else invalid_reward)
         self.max_invalid = max_invalid
         self.game: gymnasium.Env | None = None
         self.game_obs: Any = None
@@ -186,18 +199,23 @@ class TextGameEnv(MultiTurnEnv):
         what = "could not find a move" if move is None else f"move {move} does not exist"
         text = (
             f"Invalid action: {what}. Answer with <action>MOVE</action>, MOVE being one of the "
-            f"moves listed (or its number, 0 to {n - 1})."
+            f"moves listed (or its number, 0 to {n - 1}). Reward: {self.invalid_reward:g}."
         )
         info: dict[str, Any] = {"invalid_action": True}
         if self.consecutive_invalid >= self.max_invalid:
-            info.update(success=0.0, total_reward=self.total_reward)
+            # forfeit: this turn and every one left cost an invalid move, so stopping early by
+            # answering nonsense never beats playing on (CliffWalking's best honest return is -13)
+            forfeit = self.invalid_reward * (1 + max(0, self.max_turns - self.turn))
+            self.total_reward += forfeit
+            info.update(success=0.0, total_reward=self.total_reward, forfeit_reward=forfeit)
             return StepResult(
                 observation=[Message(role="user", content=text)],
-                reward=self.invalid_reward,
+                reward=forfeit,
                 terminated=True,
                 info=info,
                 stop_reason=StopReason.PARSE_ERROR,
             )
+        self.total_reward += self.invalid_reward
         return StepResult(
             observation=[Message(role="user", content=text)], reward=self.invalid_reward, info=info
         )
@@ -308,9 +326,11 @@ class TaxiTextEnv(TextGameEnv):
 
     Task: ``{"seed": int}`` (taxi, passenger and destination from gymnasium's ``Taxi-v4`` reset).
     Tools: none; the move is ``<action>south|north|east|west|pickup|dropoff</action>``. Reward
-    per turn: gymnasium's (-1 a step, +20 for the delivery, -10 for an illegal pickup/dropoff);
-    ``info["success"]`` is 1 on delivery. Data: none. Licence: gymnasium (MIT).
+    per turn: gymnasium's (-1 a step, +20 for the delivery, -10 for an illegal pickup/dropoff),
+    -10 for an invalid move; ``info["success"]`` is 1 on delivery. Data: none. Licence: gymnasium (MIT).
     """
+
+    default_invalid_reward: ClassVar[float] = -10.0  # an illegal pickup/dropoff
 
     def __init__(self, *, max_turns: int = 30, **kwargs: Any) -> None:
         super().__init__(
@@ -361,8 +381,10 @@ class CliffWalkingTextEnv(TextGameEnv):
 
     Task: ``{"seed": int}`` (the 4x12 board is fixed). Tools: none; the move is
     ``<action>up|right|down|left</action>``. Reward per turn: gymnasium's (-1 a step, -100 and
-    back to S for the cliff); ``info["success"]`` is 1 at G. Data: none. Licence: gymnasium (MIT).
+    back to S for the cliff), -100 for an invalid move; ``info["success"]`` is 1 at G. Data: none. Licence: gymnasium (MIT).
     """
+
+    default_invalid_reward: ClassVar[float] = -100.0  # the cliff
 
     def __init__(self, *, max_turns: int = 30, **kwargs: Any) -> None:
         super().__init__(
@@ -395,9 +417,12 @@ class BlackjackTextEnv(TextGameEnv):
     """Blackjack as text: one hand against the dealer; +1 win, 0 draw, -1 loss.
 
     Task: ``{"seed": int}`` (the deal comes from the seed; Sutton & Barto rules). Tools: none; the
-    move is ``<action>stick|hit</action>``. Reward: gymnasium's, at the end of the hand;
+    move is ``<action>stick|hit</action>``. Reward: gymnasium's, at the end of the hand (-1 for
+    an invalid move);
     ``info["success"]`` is 1 for a win. Data: none. Licence: gymnasium (MIT).
     """
+
+    default_invalid_reward: ClassVar[float] = -1.0  # a lost hand
 
     def __init__(self, *, max_turns: int = 8, **kwargs: Any) -> None:
         super().__init__(

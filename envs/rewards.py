@@ -16,6 +16,7 @@ Every function here is pure and never trusts the model's text beyond reading it.
 from __future__ import annotations
 
 import atexit
+import bisect
 import collections
 import concurrent.futures
 import multiprocessing
@@ -42,12 +43,25 @@ def _as_list(golds: str | Iterable[str]) -> list[str]:
     return [golds] if isinstance(golds, str) else [str(g) for g in golds]
 
 
+def _same_answer(prediction: str, gold: str) -> bool:
+    pred, target = normalize_answer(prediction), normalize_answer(gold)
+    if pred and target:
+        return pred == target
+    # One side normalises to nothing (NQ-open golds "A+", "---", ")"; an answer "the" or ""):
+    # the texts themselves must agree, case and spacing aside, so an empty answer never matches.
+    light_pred, light_gold = " ".join(prediction.lower().split()), " ".join(gold.lower().split())
+    return bool(light_pred) and light_pred == light_gold
+
+
 def exact_match(prediction: str | None, golds: str | Iterable[str]) -> float:
-    """1.0 when the normalised prediction equals any normalised gold answer."""
+    """1.0 when the normalised prediction equals any normalised gold answer.
+
+    A gold answer that normalises to nothing ("A+" loses its article and its punctuation) is
+    matched only by the same text, never by an empty answer or a lone article.
+    """
     if prediction is None:
         return 0.0
-    pred = normalize_answer(prediction)
-    return float(any(pred == normalize_answer(g) for g in _as_list(golds)))
+    return float(any(_same_answer(prediction, g) for g in _as_list(golds)))
 
 
 def sub_exact_match(prediction: str | None, golds: str | Iterable[str]) -> float:
@@ -80,10 +94,24 @@ def f1_score(prediction: str | None, golds: str | Iterable[str]) -> float:
 
 
 # ----- extraction -------------------------------------------------------------------------------
-def extract_tag(text: str, tag: str = "answer") -> str | None:
-    """Stripped content of the last ``<tag>...</tag>`` in ``text``, or None."""
-    found = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL)
-    return found[-1].strip() if found else None
+def extract_tag(text: str, tag: str = "answer", *, ignore_case: bool = False) -> str | None:
+    """Stripped content of the last complete ``<tag>...</tag>`` in ``text``, or None.
+
+    The last opening tag that a closing tag follows, up to the first closing tag after it; found
+    in linear time (a regex ``<tag>(.*?)</tag>`` takes quadratic time on a reply of many opening
+    tags, which a policy can write).
+    """
+    flags = re.IGNORECASE if ignore_case else 0
+    opens = [m.end() for m in re.finditer(re.escape(f"<{tag}>"), text, flags)]
+    closes = [m.start() for m in re.finditer(re.escape(f"</{tag}>"), text, flags)]
+    if not opens or not closes:
+        return None
+    start_at = bisect.bisect_right(opens, closes[-1]) - 1  # the last open before the last close
+    if start_at < 0:
+        return None
+    start = opens[start_at]
+    end = closes[bisect.bisect_left(closes, start)]
+    return text[start:end].strip()
 
 
 def _braced(text: str, start: int) -> tuple[str, int] | None:
@@ -103,6 +131,9 @@ def _braced(text: str, start: int) -> tuple[str, int] | None:
                 return text[start + 1 : i], i + 1
         i += 1
     return None
+
+
+_MAX_UNWRAP = 8
 
 
 def extract_boxed(text: str) -> str | None:
@@ -128,10 +159,14 @@ def extract_boxed(text: str) -> str | None:
     if found is None:
         return None
     found = found.strip()
-    if re.fullmatch(r"\\(?:boxed|fbox)\s*\{.*\}", found, flags=re.DOTALL):
-        inner = extract_boxed(found)
-        if inner is not None:
-            return inner
+    # \boxed{\boxed{5}}: unwrap a box that is the whole answer, a few levels deep at most (deeper
+    # nesting is no answer worth the time; recursion here was a stack overflow for a policy)
+    for _ in range(_MAX_UNWRAP):
+        opening = re.match(r"\\(?:boxed|fbox)\s*\{", found)
+        group = _braced(found, opening.end() - 1) if opening else None
+        if group is None or group[1] != len(found):
+            break
+        found = group[0].strip()
     return found
 
 
@@ -145,18 +180,52 @@ def extract_hash_answer(text: str) -> str | None:
     return number.group(0) if number else rest
 
 
-_CODE_BLOCK = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+_FENCE_LANGUAGE = re.compile(r"[ \t]*([\w+-]*)")
+
+
+def _code_blocks(text: str) -> list[tuple[str, str]]:
+    """``(language, body)`` of each fenced block, in linear time.
+
+    A fence opens with three backticks and an info string up to the end of the line, and closes
+    at the next three backticks. (The regex this replaces backtracked quadratically on a long
+    line of backticks.)
+    """
+    blocks, pos = [], 0
+    while (start := text.find("```", pos)) != -1:
+        newline = text.find("\n", start + 3)
+        if newline == -1:
+            break
+        end = text.find("```", newline + 1)
+        if end == -1:
+            break
+        language = _FENCE_LANGUAGE.match(text, start + 3, newline)
+        blocks.append((language.group(1) if language else "", text[newline + 1 : end]))
+        pos = end + 3
+    return blocks
 
 
 def last_code_block(text: str, languages: Sequence[str] = ("python", "py", "python3", "")) -> str | None:
     """The body of the last fenced code block whose language tag is one of ``languages``."""
-    blocks = [body for lang, body in _CODE_BLOCK.findall(text) if lang.lower() in languages]
+    blocks = [body for lang, body in _code_blocks(text) if lang.lower() in languages]
     return blocks[-1] if blocks else None
 
 
 # ----- math -------------------------------------------------------------------------------------
 _NUMBER = re.compile(r"^[-+]?(\d+(\.\d*)?|\.\d+)([eE][-+]?\d+)?$")
 _UNIT_SUFFIX = re.compile(r"^(.*?\d)\s*(?:\\text\{[^}]*\}|\\mbox\{[^}]*\}|[a-zA-Z][a-zA-Z .]*|%|\\%)$")
+#: Words a unit never contains: "18 or twenty" is two answers, not 18 of a unit called "or twenty".
+_NOT_UNIT_WORDS = frozenset(
+    "or and nor not no to than versus vs plus minus times over either maybe perhaps else "
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+    "fifteen sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty "
+    "ninety hundred thousand million billion trillion half halves third thirds quarter quarters "
+    "dozen".split()
+)
+
+
+def _is_unit(suffix: str) -> bool:
+    words = re.findall(r"[a-zA-Z]+", suffix.lower())
+    return not _NOT_UNIT_WORDS.intersection(words)
 
 
 def numeric_value(text: str | None, *, allow_units: bool = True) -> Fraction | None:
@@ -173,6 +242,8 @@ def numeric_value(text: str | None, *, allow_units: bool = True) -> Fraction | N
     if allow_units:
         match = _UNIT_SUFFIX.match(s)
         if match:
+            if not _is_unit(s[match.end(1):]):
+                return None  # a hedge ("18 or twenty") or a number word, not a unit
             s = match.group(1)
     s = s.strip()
     frac = re.fullmatch(r"\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}", s)

@@ -42,8 +42,10 @@ class CodeEnv(ToolEnv):
     allows ``max_turns`` (default 6) turns.
     Reward: the final message's last fenced python block is the solution; the hidden tests run in
     a fresh sandbox run, in a judge process separate from the solution's process, and the reward
-    is 1.0 when every test passes, else 0.0. Early exits, crashes, patched builtins, objects that
-    claim equality to everything and printed fake verdicts all fail. Info: ``passed``, ``total``,
+    is 1.0 when every test passes, else 0.0. The tests see only the solution's entry point (and
+    the names the task asks for): its ``def abs``, ``class math`` or other shadowing names never
+    reach them. Early exits, crashes, patched builtins, objects that claim equality to everything
+    and printed fake verdicts all fail (``tests/envs/test_reward_cheats.py``). Info: ``passed``, ``total``,
     ``pass_fraction``, ``failures``, ``error``.
     Data: ``dataset="humaneval"`` (default; 164 tasks, openai/human-eval, MIT) or ``"mbpp"``
     (``mbpp_split`` test by default: task ids 11-510 of google-research MBPP, CC BY 4.0), or a JSONL
@@ -51,6 +53,17 @@ class CodeEnv(ToolEnv):
     """
 
     snapshot_exclude: ClassVar[tuple[str, ...]] = ("_tools", "_dataset", "sandbox")
+
+    @classmethod
+    def task_problems(cls, task: Mapping[str, Any]) -> list[str]:
+        """A row is usable when `code_task` can read it (HumanEval or MBPP layout)."""
+        from palaestra.errors import ConfigError
+
+        try:
+            code_task(task)
+        except ConfigError as exc:
+            return [str(exc)]
+        return []
 
     def __init__(
         self,

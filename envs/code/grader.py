@@ -47,19 +47,23 @@ def harness_program() -> str:
 
 
 def parse_verdict(stdout: str, nonce: str, n_tests: int) -> GradeResult:
-    """The result line carrying ``nonce`` (the last one), or a failed grade saying why."""
-    for line in reversed(stdout.splitlines()):
-        parts = line.split(" ", 2)
-        if len(parts) == 3 and parts[0] == RESULT_MARKER and parts[1] == nonce:
-            try:
-                data = json.loads(parts[2])
-                passed, total = int(data["passed"]), int(data["total"])
-            except (ValueError, KeyError, TypeError):
-                break
-            total = max(total, n_tests)
-            return GradeResult(min(passed, total), total,
-                               tuple(str(f) for f in data.get("failures", []))[:3])
-    return GradeResult(0, n_tests, error="the harness gave no verdict")
+    """The one result line carrying ``nonce``, or a failed grade saying why.
+
+    The harness prints exactly one such line; a second one (something else learnt the nonce and
+    wrote to the judge's stdout) voids the verdict instead of choosing between them.
+    """
+    lines = [line for line in stdout.splitlines() if line.startswith(f"{RESULT_MARKER} {nonce} ")]
+    if len(lines) != 1:
+        why = "no verdict" if not lines else f"{len(lines)} verdicts"
+        return GradeResult(0, n_tests, error=f"the harness gave {why}")
+    try:
+        data = json.loads(lines[0].split(" ", 2)[2])
+        passed, total = int(data["passed"]), int(data["total"])
+        failures = tuple(str(f) for f in data.get("failures", []))[:3]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return GradeResult(0, n_tests, error="the harness gave an unreadable verdict")
+    total = max(total, n_tests)  # never fewer tests than the task has
+    return GradeResult(max(0, min(passed, total)), total, failures)
 
 
 async def grade(code: str, task: CodeTask, *, sandbox: Any = None, timeout_s: float = 10.0) -> GradeResult:

@@ -18,10 +18,15 @@ with the tests:
    attribute. Values cross the pipe as tagged JSON that decodes to plain built-in data only
    (exact types: no subclasses, no user objects); anything else comes back as an opaque handle
    that can be passed back or called, but has no truth value and no equality.
-3. The judge reads the test spec (tests and a one-time nonce) from stdin and runs the tests (trusted code from the dataset)
-   with proxies for the solution's names and prints one result line
-   ``@@palaestra-result <nonce> {"passed": p, "total": t, ...}``. A solution that exits early,
-   crashes, hangs or kills the judge produces no valid line, which the host grades as a failure.
+3. The judge reads the test spec (tests and a one-time nonce) from stdin and runs the tests
+   (trusted code from the dataset) in a namespace of its own: the judge's builtins, the modules
+   it imports itself, the prompt's helpers as the prompt wrote them, and proxies for the
+   spec's ``solution_names`` only (the entry point, the names the task asks for). A solution
+   that defines ``abs`` or ``class math`` changes nothing the tests see; its helpers run in its
+   own process, called by its own functions.
+4. The judge prints one result line ``@@palaestra-result <nonce> {"passed": p, "total": t, ...}``.
+   A solution that exits early, crashes, hangs or kills the judge produces no valid line, which
+   the host grades as a failure.
 """
 
 import ast
@@ -73,31 +78,33 @@ def encode(value, refs, depth=0):
     if refs is None:
         raise TypeError(f"cannot send a {kind.__name__} to the solution")
     handle = refs.handle(value)
-    return {"$ref": handle, "type": kind.__name__, "callable": callable(value),
-            "module": value.__name__ if kind.__name__ == "module" else None}
+    return {"$ref": handle, "type": kind.__name__, "callable": callable(value)}
 
 
-def decode(data, make_ref):
+def decode(data, make_ref, builtin=None):
+    """Plain data back from tagged JSON; ``builtin`` resolves ``$builtin`` (the solution side only)."""
     if isinstance(data, list):
-        return [decode(v, make_ref) for v in data]
+        return [decode(v, make_ref, builtin) for v in data]
     if not isinstance(data, dict):
         return data
     if "$f" in data:
         return float(data["$f"])
     if "$t" in data:
-        return tuple(decode(v, make_ref) for v in data["$t"])
+        return tuple(decode(v, make_ref, builtin) for v in data["$t"])
     if "$d" in data:
-        return {decode(k, make_ref): decode(v, make_ref) for k, v in data["$d"]}
+        return {decode(k, make_ref, builtin): decode(v, make_ref, builtin) for k, v in data["$d"]}
     if "$s" in data:
-        return {decode(v, make_ref) for v in data["$s"]}
+        return {decode(v, make_ref, builtin) for v in data["$s"]}
     if "$fs" in data:
-        return frozenset(decode(v, make_ref) for v in data["$fs"])
+        return frozenset(decode(v, make_ref, builtin) for v in data["$fs"])
     if "$b" in data:
         return base64.b64decode(data["$b"])
     if "$c" in data:
         return complex(data["$c"][0], data["$c"][1])
     if "$ref" in data:
         return make_ref(data)
+    if "$builtin" in data and builtin is not None:
+        return builtin(data["$builtin"])
     raise ValueError("unknown tag")
 
 
@@ -199,7 +206,7 @@ def solution_process(requests, replies):
 
 def _serve(request, namespace, refs):
     def resolve(data):
-        return decode(data, lambda d: refs[d["$ref"]])
+        return decode(data, lambda d: refs[d["$ref"]], _builtin)
 
     op = request["op"]
     if op == "get":
@@ -215,6 +222,11 @@ def _serve(request, namespace, refs):
         setattr(target, request["name"], resolve(request["value"]))
         return None
     raise ValueError(f"unknown op {op!r}")
+
+
+def _builtin(name):
+    """A builtin the tests passed (MBPP 533 passes ``int``): the solution process's own."""
+    return getattr(builtins, str(name))
 
 
 def _describe(exc):
@@ -250,12 +262,8 @@ class Connection:
             raise SolutionError(f"undecodable value from the solution: {exc}") from None
 
     def remote(self, data):
-        module = data.get("module")
-        if data.get("type") == "module" and isinstance(module, str):
-            top = module.partition(".")[0]
-            if top in getattr(sys, "stdlib_module_names", ()):
-                return __import__(module, fromlist=["_"])  # the real module, imported here
-        return Remote(self, int(data["$ref"]), str(data.get("type")))
+        # never resolved to a module or object of this process: a solution's "math" stays its own
+        return Remote(self, int(data["$ref"]), str(data.get("type"))[:100])
 
     def encode(self, value):
         return encode(value, None) if not isinstance(value, Remote) else {"$ref": value._ref}
@@ -275,6 +283,10 @@ def _encode_arg(conn, value, depth=0):
     if isinstance(value, Remote):
         return {"$ref": object.__getattribute__(value, "_ref")}
     kind = type(value)
+    name = getattr(value, "__name__", None)
+    if (kind is type or kind is type(len)) and isinstance(name, str) \
+            and getattr(builtins, name, None) is value:
+        return {"$builtin": name}  # a builtin type or function is sent by name
     if kind is list:
         return [_encode_arg(conn, v, depth + 1) for v in value]
     if kind is tuple:
@@ -357,32 +369,62 @@ def _instrument_check(tree, recorder_name):
     return ast.fix_missing_locations(tree)
 
 
-def _is_stub(function):
-    """A function the prompt only declares: docstring, ``pass`` or ``...``."""
-    for stmt in function.body:
-        if isinstance(stmt, ast.Pass):
+def _module_bases(sources):
+    """Names the tests use as ``name.attr`` and never assign: modules the grader imports."""
+    bases, assigned = set(), set()
+    for source in sources:
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
             continue
-        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant):
-            continue
-        return False
-    return True
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                bases.add(node.value.id)
+            elif isinstance(node, ast.Name) and not isinstance(node.ctx, ast.Load):
+                assigned.add(node.id)
+    return bases - assigned
+
+
+def _grader_namespace(sources, taken):
+    """A fresh namespace for the tests: the judge's own builtins and stdlib modules only.
+
+    The tests of a dataset sometimes use a module the reference solution imported (MBPP 596
+    reads ``sys.maxsize``); the judge imports such modules itself, never taking the solution's.
+    """
+    namespace = {"__name__": "tests", "__builtins__": builtins}
+    stdlib = getattr(sys, "stdlib_module_names", frozenset())
+    for name in sorted(_module_bases(sources) - set(taken)):
+        if name in stdlib and not hasattr(builtins, name):
+            try:
+                namespace[name] = __import__(name)
+            except ImportError:
+                pass
+    return namespace
+
+
+def _take(conn, names, wanted, namespace):
+    """Bind ``wanted`` (the names the task requires) to the solution's objects, nothing else."""
+    for name in wanted:
+        if name in names:
+            namespace[name] = conn.ask({"op": "get", "name": name})
 
 
 def run_tests(conn, names, spec, recorder):
-    namespace = {"__name__": "tests", "__builtins__": builtins, "__record__": recorder}
+    """Run the spec's tests in a namespace the solution cannot shadow.
+
+    Builtins and modules are the judge's; the prompt's helpers are the trusted prompt's; only
+    ``spec["solution_names"]`` (the entry point, the names the task asks for) come from the
+    solution, as handles on its objects: its other names, ``def abs``, ``class math`` or a
+    patched helper included, never reach the tests.
+    """
+    wanted = [str(n) for n in spec.get("solution_names") or [spec.get("entry_point")] if n]
     if spec["kind"] == "humaneval":
-        prompt = spec.get("prompt", "")
-        exec(compile(prompt, "prompt.py", "exec"), namespace)  # noqa: S102 - running code is the point
-        test_tree = ast.parse(spec["test"])
-        # the test may call the solution's functions by name (HumanEval/33 calls sort_third):
-        # those the prompt only declares come from the solution; helpers the prompt implements
-        # (poly, encode_cyclic) stay the trusted prompt versions
-        used = {n.id for n in ast.walk(test_tree) if isinstance(n, ast.Name)}
-        implemented = {n.name for n in ast.parse(prompt).body
-                       if isinstance(n, ast.FunctionDef) and not _is_stub(n)}
-        for name in sorted((used & set(names)) - implemented):
-            namespace[name] = conn.ask({"op": "get", "name": name})
-        exec(compile(_instrument_check(test_tree, "__record__"), "test.py", "exec"), namespace)  # noqa: S102 - running code is the point
+        prompt, test = spec.get("prompt", ""), spec["test"]
+        namespace = _grader_namespace([test], wanted)
+        namespace["__record__"] = recorder
+        exec(compile(prompt, "prompt.py", "exec"), namespace)  # noqa: S102 - trusted dataset code
+        _take(conn, names, wanted, namespace)
+        exec(compile(_instrument_check(ast.parse(test), "__record__"), "test.py", "exec"), namespace)  # noqa: S102 - trusted dataset code
         entry = spec["entry_point"]
         if entry not in names:
             recorder(NameError(f"the solution does not define {entry!r}"))
@@ -395,20 +437,14 @@ def run_tests(conn, names, spec, recorder):
         else:
             recorder(None)
         return
-    sources = [spec.get("setup", "")] + list(spec["asserts"])
-    used = set()
-    for source in sources:
-        try:
-            used |= {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
-        except SyntaxError:
-            pass
-    for name in sorted(used & set(names)):
-        namespace[name] = conn.ask({"op": "get", "name": name})
-    if spec.get("setup"):
-        exec(compile(spec["setup"], "setup.py", "exec"), namespace)  # noqa: S102 - running code is the point
+    setup = spec.get("setup", "")
+    namespace = _grader_namespace([setup, *spec["asserts"]], wanted)
+    _take(conn, names, wanted, namespace)
+    if setup:
+        exec(compile(setup, "setup.py", "exec"), namespace)  # noqa: S102 - trusted dataset code
     for source in spec["asserts"]:
         try:
-            exec(compile(source, "test.py", "exec"), namespace)  # noqa: S102 - running code is the point
+            exec(compile(source, "test.py", "exec"), namespace)  # noqa: S102 - trusted dataset code
         except Exception as exc:  # noqa: BLE001
             recorder(exc)
         else:

@@ -1,13 +1,17 @@
 """Code tasks: HumanEval and MBPP rows turned into a prompt, a solution program and a test spec.
 
 The test spec is what the in-sandbox harness (`palaestra.envs.code.harness`) runs; it never
-reaches the model or the solution's process.
+reaches the model or the solution's process. Its ``solution_names`` are the only names the tests
+take from the solution (see `solution_names`); every other name the tests use (builtins, modules,
+the prompt's helpers) is the grader's own.
 """
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Mapping
+import builtins
+import sys
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +64,76 @@ def _count_check_asserts(test: str) -> int:
     raise ConfigError("a HumanEval 'test' must define check(candidate)")
 
 
+def _used_names(sources: Iterable[str]) -> set[str]:
+    used: set[str] = set()
+    for source in sources:
+        try:
+            used |= {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name)}
+        except SyntaxError:
+            pass  # the harness reports a broken test when it runs it
+    return used
+
+
+def _bound_names(source: str, *, imports: bool = True) -> set[str]:
+    """Names a module binds at top level: defs, classes, assignments (and imports)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    bound: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            bound.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)) and imports:
+            bound |= {(a.asname or a.name).partition(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            bound |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return bound
+
+
+def _stubs(prompt: str) -> set[str]:
+    """Functions the prompt only declares (docstring, ``pass``, ``...``): the model writes them."""
+    def is_stub(function: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+        return all(isinstance(s, ast.Pass) or (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+                   for s in function.body)
+
+    return {n.name for n in ast.parse(prompt).body
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and is_stub(n)}
+
+
+def solution_names(row: Mapping[str, Any]) -> list[str]:
+    """The names the hidden tests take from the solution; everything else is the grader's.
+
+    HumanEval: the entry point and the prompt's other stubs the test calls by name (HumanEval/33
+    calls ``sort_third``); the prompt's implemented helpers (``poly``, ``encode_cyclic``) and its
+    imports stay the trusted prompt versions. MBPP: the names the reference solution (``code``)
+    defines and the tests use (``Pair``, ``Node``, and ``sum`` for task 126, which redefines the
+    builtin), or without a reference the tests' free names that are neither builtins nor
+    modules nor bound by the test setup. A solution that defines ``abs`` or ``math`` therefore
+    changes nothing the tests see.
+    """
+    if {"prompt", "entry_point", "test"} <= set(row):
+        entry = str(row["entry_point"])
+        used = _used_names([str(row["test"])])
+        return sorted({entry} | (_stubs(str(row["prompt"])) & used))
+    setup = _setup_source(row)
+    used = _used_names([setup, *(str(t) for t in row["test_list"])])
+    used -= _bound_names(setup)
+    if row.get("entry_point"):
+        code = str(row.get("code") or "")
+        return sorted({str(row["entry_point"])} | (used & _bound_names(code, imports=False)))
+    if row.get("code"):  # what the reference imports (MBPP 596: sys) the grader imports itself
+        return sorted(used & _bound_names(str(row["code"]), imports=False))
+    return sorted(used - set(dir(builtins)) - set(sys.stdlib_module_names))
+
+
+def _setup_source(row: Mapping[str, Any]) -> str:
+    return "\n".join(
+        [*(str(i) for i in row.get("test_imports") or []), str(row.get("test_setup_code") or "")]
+    ).strip()
+
+
 def code_task(row: Mapping[str, Any], *, shown_tests: int = 1) -> CodeTask:
     """A `CodeTask` from a HumanEval row or an MBPP row (full or sanitized layout)."""
     if {"prompt", "entry_point", "test"} <= set(row):
@@ -68,7 +142,7 @@ def code_task(row: Mapping[str, Any], *, shown_tests: int = 1) -> CodeTask:
             kind="humaneval",
             instruction=HUMANEVAL_INSTRUCTION.format(prompt=prompt),
             spec={"kind": "humaneval", "prompt": prompt, "test": str(row["test"]),
-                  "entry_point": str(row["entry_point"])},
+                  "entry_point": str(row["entry_point"]), "solution_names": solution_names(row)},
             n_tests=_count_check_asserts(str(row["test"])),
             entry_point=str(row["entry_point"]),
             prompt=prompt,
@@ -77,9 +151,7 @@ def code_task(row: Mapping[str, Any], *, shown_tests: int = 1) -> CodeTask:
         tests = [str(t) for t in row["test_list"]]
         if not tests:
             raise ConfigError("an MBPP row needs a non-empty 'test_list'")
-        setup = "\n".join(
-            [*(str(i) for i in row.get("test_imports") or []), str(row.get("test_setup_code") or "")]
-        ).strip()
+        setup = _setup_source(row)
         text = str(row.get("text", row.get("prompt")))
         shown = "\n".join(tests[: max(0, shown_tests)])
         return CodeTask(
@@ -87,7 +159,8 @@ def code_task(row: Mapping[str, Any], *, shown_tests: int = 1) -> CodeTask:
             instruction=MBPP_INSTRUCTION.format(text=text, tests=shown) if shown else (
                 f"{text}\nReply with the complete Python code in a ```python code block."
             ),
-            spec={"kind": "asserts", "setup": setup, "asserts": tests},
+            spec={"kind": "asserts", "setup": setup, "asserts": tests,
+                  "solution_names": solution_names(row)},
             n_tests=len(tests),
         )
     raise ConfigError(

@@ -27,7 +27,9 @@ EM_CASES = [
     ("Chief of Protocol.", ["Chief of Protocol"], 1.0),  # punctuation
     ("U.S.", ["US"], 1.0),
     ("Theodore", ["the odore"], 0.0),  # "the" is removed only as a whole word
-    ("the the", [""], 1.0),
+    ("the the", [""], 0.0),  # nothing matches an empty gold (it used to: both normalise to "")
+    ("A+", ["A+"], 1.0),  # a gold that normalises to "" is matched by its own text
+    ("a", ["A+"], 0.0),
     ("Barack Obama", ["Obama"], 0.0),  # EM is not containment
     ("yes", ["no", "Yes"], 1.0),  # any gold answer counts
     ("G.  Stanley   Hall", ["G. Stanley Hall", "Stanley Hall"], 1.0),
