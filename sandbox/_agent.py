@@ -17,7 +17,11 @@ its pid 1 exits and the kernel kills whatever the run left behind; without pid n
 (Docker) the zygote, a child subreaper, kills the leftovers before it reports.
 
 Wire format (both directions): 4-byte big-endian frame length, 4-byte header length, a JSON
-header and raw blobs whose lengths are listed in ``header["blobs"]``.
+header and raw blobs whose lengths are listed in ``header["blobs"]``. The blobs of a request
+(a run's code, argv, files and stdin; a cell; a written file) are payload: the zygote reads
+only the header and has the kernel move the blobs into a memfd that it hands to the run
+unread; outputs and read files go back from memfds the same way. Every run is a fork of the
+zygote, so a payload byte in its memory, even freed, would be readable by every later run.
 """
 
 import ctypes
@@ -51,6 +55,8 @@ LL_FS_READ = 1 | 4 | 8  # EXECUTE | READ_FILE | READ_DIR
 LL_FS_DEV = 2 | 4  # WRITE_FILE | READ_FILE (+ TRUNCATE from ABI 3, added below)
 SETUP_FAILED_EXIT = 126
 MAX_CHILD_FRAME = 1 << 20
+#: Requests whose blobs are payload (handed on as a memfd, never read by the zygote).
+PAYLOAD_OPS = ("run", "cell", "write_file")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.syscall.restype = ctypes.c_long
@@ -95,6 +101,231 @@ class FrameReader:
                 pos += n
             frames.append((header, blobs))
         return frames
+
+
+# --------------------------------------------------------------------------- payloads
+# What a run receives (code, argv, stdin, files) and what it prints are *payload*. The zygote
+# never holds payload bytes in its own memory: every later run is a fork of it and could scan
+# its inherited heap (freed memory included) for an earlier run's hidden tests or output. The
+# kernel moves payloads instead: splice() from the host channel into a memfd, sendfile() from
+# memfds into files, to the host, or into a run's stdin. Only the small JSON headers (ids,
+# limits, paths chosen by the host) are parsed here.
+def blob_spans(sizes):
+    """(offset, length) of each blob of a payload memfd, from the header's size list."""
+    spans, pos = [], 0
+    for n in sizes:
+        spans.append((pos, int(n)))
+        pos += int(n)
+    return spans
+
+
+def read_span(fd, span):
+    """A blob's bytes (only ever called in the run or kernel that owns the payload)."""
+    off, n = span
+    parts = []
+    while n:
+        part = os.pread(fd, n, off)
+        if not part:
+            raise OSError(errno.EIO, "payload ended early")
+        parts.append(part)
+        off += len(part)
+        n -= len(part)
+    return b"".join(parts)
+
+
+def copy_span(dst, src, span):
+    """Copy a blob of ``src`` to ``dst``'s file position, inside the kernel (sendfile)."""
+    off, n = span
+    while n:
+        k = os.sendfile(dst, src, off, n)
+        if not k:
+            raise OSError(errno.EIO, "payload ended early")
+        off += k
+        n -= k
+
+
+def span_memfd(src, span, name):
+    """A fresh memfd holding one blob, positioned at its start (a run's stdin)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    try:
+        copy_span(fd, src, span)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _wait(fd, write=False):
+    select.select([] if write else [fd], [fd] if write else [], [])
+
+
+class _Bounce:
+    """Fallback copy through one fixed buffer that is zeroed after every use, for channels
+    the kernel cannot splice (no new bytes object is ever made from a payload)."""
+
+    def __init__(self, size=1 << 16):
+        self.buf = bytearray(size)
+        self.addr = ctypes.addressof((ctypes.c_char * size).from_buffer(self.buf))
+
+    def move(self, src, dst, n, src_off=None):
+        view = memoryview(self.buf)
+        try:
+            while n:
+                want = min(n, len(self.buf))
+                try:
+                    k = (os.readv(src, [view[:want]]) if src_off is None
+                         else os.preadv(src, [view[:want]], src_off))
+                except BlockingIOError:
+                    _wait(src)
+                    continue
+                if not k:
+                    return n  # short: the caller decides
+                done = 0
+                while done < k:
+                    try:
+                        done += os.write(dst, view[done:k])
+                    except BlockingIOError:
+                        _wait(dst, write=True)
+                n -= k
+                if src_off is not None:
+                    src_off += k
+            return 0
+        finally:
+            view.release()
+            ctypes.memset(self.addr, 0, len(self.buf))
+
+
+class Channel:
+    """The host link, read exactly one frame at a time: the header into memory, the payload
+    (the frame's blobs) moved by the kernel straight into a memfd."""
+
+    def __init__(self, fd_in, fd_out):
+        self.fd_in, self.fd_out = fd_in, fd_out
+        self.pipe_r, self.pipe_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            import fcntl
+            fcntl.fcntl(self.pipe_w, fcntl.F_SETPIPE_SZ, 1 << 20)
+            self.pipe_cap = fcntl.fcntl(self.pipe_w, fcntl.F_GETPIPE_SZ)
+        except OSError:
+            self.pipe_cap = 1 << 16
+        self.splice_in = self.send_out = True
+        self.bounce = None
+
+    def _read_exact(self, n, first=None):
+        parts = [first] if first else []
+        n -= len(first or b"")
+        while n > 0:
+            try:
+                data = os.read(self.fd_in, n)
+            except BlockingIOError:
+                _wait(self.fd_in)
+                continue
+            except InterruptedError:
+                continue
+            if not data:
+                return None
+            parts.append(data)
+            n -= len(data)
+        return b"".join(parts)
+
+    def read_head(self, block=True):
+        """(header, payload size) of the next frame; None at EOF; False when none waits
+        (``block=False``)."""
+        try:
+            first = os.read(self.fd_in, 8)
+        except BlockingIOError:
+            if not block:
+                return False
+            first = b""
+        except InterruptedError:
+            first = b""
+        if not first and not block:
+            return None
+        prefix = self._read_exact(8, first)
+        if prefix is None:
+            return None
+        size, hlen = struct.unpack(">II", prefix)
+        head = self._read_exact(hlen)
+        if head is None:
+            return None
+        return json.loads(head), size - 4 - hlen
+
+    def read_payload_bytes(self, n):
+        """A payload that the zygote itself needs (the seccomp filter of ``init``)."""
+        return self._read_exact(n) if n else b""
+
+    def payload_memfd(self, n):
+        """The next ``n`` bytes of the channel in a fresh memfd, never in our memory."""
+        fd = os.memfd_create("payload", os.MFD_CLOEXEC)
+        try:
+            while n and self.splice_in:
+                try:
+                    k = os.splice(self.fd_in, self.pipe_w, min(n, self.pipe_cap))
+                except BlockingIOError:
+                    _wait(self.fd_in)
+                    continue
+                except InterruptedError:
+                    continue
+                except OSError as exc:
+                    if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                        raise
+                    self.splice_in = False
+                    break
+                if not k:
+                    raise EOFError("the host closed the channel mid-frame")
+                n -= k
+                while k:
+                    k -= os.splice(self.pipe_r, fd, k)
+            if n:
+                self.bounce = self.bounce or _Bounce()
+                if self.bounce.move(self.fd_in, fd, n):
+                    raise EOFError("the host closed the channel mid-frame")
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def write_all(self, data):
+        data = memoryview(data)
+        while data:
+            try:
+                data = data[os.write(self.fd_out, data):]
+            except InterruptedError:
+                continue
+            except BlockingIOError:  # the channel is non-blocking: wait until the host reads
+                _wait(self.fd_out, write=True)
+
+    def send(self, header, blobs=(), fds=()):
+        """One frame: ``blobs`` from memory, then each ``(fd, n)`` of ``fds`` (the first n
+        bytes of a memfd) copied by the kernel. A file shorter than announced is padded."""
+        sizes = [len(b) for b in blobs] + [n for _, n in fds]
+        head = json.dumps(dict(header, blobs=sizes), separators=(",", ":")).encode()
+        total = 4 + len(head) + sum(sizes)
+        self.write_all(b"".join([struct.pack(">II", total, len(head)), head, *blobs]))
+        for fd, n in fds:
+            off = 0
+            while off < n and self.send_out:
+                try:
+                    k = os.sendfile(self.fd_out, fd, off, n - off)
+                except BlockingIOError:
+                    _wait(self.fd_out, write=True)
+                    continue
+                except InterruptedError:
+                    continue
+                except OSError as exc:
+                    if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                        raise
+                    self.send_out = False
+                    break
+                if not k:
+                    break
+                off += k
+            if off < n and not self.send_out:
+                self.bounce = self.bounce or _Bounce()
+                off = n - self.bounce.move(fd, self.fd_out, n - off, src_off=off)
+            if off < n:
+                self.write_all(bytes(n - off))
 
 
 # --------------------------------------------------------------------------- kernel features
@@ -179,14 +410,26 @@ def seccomp_load(prepared):
         raise OSError(ctypes.get_errno(), "loading the seccomp filter failed")
 
 
+_CAP_ARGS = []
+
+
+def capset_args():
+    """capset's function and arguments, built once in the zygote (``warm_up``): building
+    them in each run's pid 1 cost ~90 copied pages and 0.5 ms there."""
+    if not _CAP_ARGS:
+        header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+        _CAP_ARGS.extend((_libc.capset, header, (ctypes.c_uint32 * 6)()))
+    return _CAP_ARGS
+
+
 def drop_capabilities():
     """Clear every capability set and the bounding set (used when the uid stays 0)."""
+    capset, header, data = capset_args()
+    prctl = _libc.prctl
     for cap in range(64):
-        if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
+        if prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() == errno.EINVAL:
             break
-    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
-    data = (ctypes.c_uint32 * 6)()
-    if _libc.capset(header, data) != 0:
+    if capset(header, data) != 0:
         raise OSError(ctypes.get_errno(), "capset failed")
 
 
@@ -414,7 +657,8 @@ def _safe_open_parent(root_fd, rel, create_dirs):
     return fd, parts[-1]
 
 
-def write_tree_file(root, rel, data, mode=0o644, owner=None):
+def write_tree_file(root, rel, src, span, mode=0o644, owner=None):
+    """Write blob ``span`` of payload memfd ``src`` to ``root/rel`` (kernel copy)."""
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         dfd, name = _safe_open_parent(root_fd, rel, create_dirs=True)
@@ -424,9 +668,7 @@ def write_tree_file(root, rel, data, mode=0o644, owner=None):
             try:
                 if owner is not None:
                     os.fchown(fd, owner[0], owner[1])
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
+                copy_span(fd, src, span)
             finally:
                 os.close(fd)
         finally:
@@ -436,6 +678,8 @@ def write_tree_file(root, rel, data, mode=0o644, owner=None):
 
 
 def read_tree_file(root, rel, limit):
+    """A memfd holding ``root/rel`` (at most ``limit`` bytes, else ValueError), copied by the
+    kernel: the file never passes through our memory and cannot change while it is sent."""
     root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         dfd, name = _safe_open_parent(root_fd, rel, create_dirs=False)
@@ -446,17 +690,20 @@ def read_tree_file(root, rel, limit):
                 import stat as _stat
                 if not _stat.S_ISREG(os.fstat(fd).st_mode):
                     raise IsADirectoryError(f"{rel!r} is not a regular file")
-                chunks, total = [], 0
-                while total <= limit:
-                    chunk = os.read(fd, min(1 << 20, limit + 1 - total))
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
-                    total += len(chunk)
-                data = b"".join(chunks)
-                if len(data) > limit:
-                    raise ValueError(f"{rel!r} is larger than {limit} bytes")
-                return data
+                out = os.memfd_create("read_file", os.MFD_CLOEXEC)
+                total = 0
+                try:
+                    while total <= limit:
+                        k = os.sendfile(out, fd, None, min(1 << 24, limit + 1 - total))
+                        if not k:
+                            break
+                        total += k
+                    if total > limit:
+                        raise ValueError(f"{rel!r} is larger than {limit} bytes")
+                except BaseException:
+                    os.close(out)
+                    raise
+                return out, total
             finally:
                 os.close(fd)
         finally:
@@ -465,24 +712,27 @@ def read_tree_file(root, rel, limit):
         os.close(root_fd)
 
 
-def setup_child(opts, req, fds, file_blobs, keep_fd=None):
+def setup_child(opts, req, fds, files=(), payload=None, keep_fd=None):
     """Everything between fork and running untrusted code. Raises on any failure (fail closed).
 
-    ``keep_fd`` (a kernel's control socket) survives as fd 3; every other inherited fd is closed.
+    ``files`` are ``(name, span)`` blobs of the ``payload`` memfd, written once the run's uid,
+    Landlock and seccomp are in force. ``keep_fd`` (a status memfd or a kernel's control
+    socket) survives as fd 3; every other inherited fd is closed.
     """
     # A new process group, not a new session: setsid() costs ~5 ms here (scheduler autogroup)
     # and the zygote's session, made by bwrap --new-session, has no controlling terminal.
     os.setpgid(0, 0)
+    if payload is not None:
+        import fcntl
+        payload = fcntl.fcntl(payload, fcntl.F_DUPFD_CLOEXEC, 10)  # clear of 0-3 below
     stdin_fd, out_fd, err_fd = fds
     os.dup2(stdin_fd, 0)
     os.dup2(out_fd, 1)
     os.dup2(err_fd, 2)
-    if keep_fd is not None:
-        if keep_fd != 3:
-            os.dup2(keep_fd, 3, inheritable=False)
-        _close_fds_from(4)
-    else:
-        _close_fds_from(3)
+    if keep_fd is not None and keep_fd != 3:
+        os.dup2(keep_fd, 3, inheritable=False)
+    _close_all_but(([3] if keep_fd is not None else []) + ([payload] if payload is not None
+                                                           else []))
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -518,8 +768,10 @@ def setup_child(opts, req, fds, file_blobs, keep_fd=None):
         seccomp_load(opts["_seccomp_prog"])
     else:
         _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    for name, data in zip(req.get("files", []), file_blobs):
-        write_tree_file(workdir, name, data)
+    for name, span in files:
+        write_tree_file(workdir, name, payload, span)
+    if payload is not None:
+        os.close(payload)
     # The zygote's environment is already the scrubbed run environment.
     env = os.environ
     env["HOME"] = env["TMPDIR"] = env["PWD"] = workdir
@@ -586,13 +838,28 @@ def exec_python(code, namespace, filename="<string>"):
         return 1, False
 
 
-def run_child(opts, req, fds, blobs):
-    """Body of a forked run child; never returns."""
-    code = SETUP_FAILED_EXIT
+def run_child(opts, req, fds, payload):
+    """Body of a forked run child; never returns.
+
+    ``fds``: stdout and stderr memfds (and, for python, the status memfd); ``payload``: the
+    run's memfd (meta: code, argv and file names; then the files; then stdin), read only here.
+    """
     try:
-        files_n = len(req.get("files", []))
-        status_fd = fds[3] if len(fds) > 3 else None
-        workdir = setup_child(opts, req, fds[:3], blobs[:files_n], keep_fd=status_fd)
+        spans = blob_spans(req.get("blobs", []))
+        meta = json.loads(read_span(payload, spans[0]))
+        names = meta.get("files", [])
+        files = list(zip(names, spans[1:1 + len(names)]))
+        in_fd = (span_memfd(payload, spans[1 + len(names)], "stdin") if req.get("has_stdin")
+                 else os.open(os.devnull, os.O_RDONLY))
+    except BaseException as exc:
+        try:
+            os.write(fds[1], (f"palaestra sandbox: setup failed: {exc!r}\n").encode())
+        finally:
+            os._exit(SETUP_FAILED_EXIT)
+    try:
+        status_fd = fds[2] if len(fds) > 2 else None
+        workdir = setup_child(opts, req, (in_fd,) + tuple(fds[:2]), files, payload,
+                              keep_fd=status_fd)
     except BaseException as exc:
         try:
             os.write(2, (f"palaestra sandbox: setup failed: {exc!r}\n").encode())
@@ -602,7 +869,7 @@ def run_child(opts, req, fds, blobs):
         if req["kind"] == "exec":
             for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT):
                 signal.signal(sig, signal.SIG_DFL)
-            argv = req["argv"]
+            argv = meta["argv"]
             try:
                 os.execvpe(argv[0], argv, os.environ)
             except OSError as exc:
@@ -614,7 +881,7 @@ def run_child(opts, req, fds, blobs):
         sys.modules["__main__"] = main
         sys.argv = ["-c"]
         sys.path.insert(0, workdir)
-        code, oom = exec_python(req["code"], main.__dict__)
+        code, oom = exec_python(meta["code"], main.__dict__)
         _finish_python()
         if oom:
             try:
@@ -643,59 +910,48 @@ def spare_child(opts, fds):
     """A child forked ahead of demand: it waits for its request, then becomes a run child.
 
     Forking while the zygote is idle takes the fork off the request's critical path. The spare
-    knows nothing about its request until woken (it cannot have leaked anything from another),
+    learns its request (a small header and the payload memfd) over its own socket when woken,
     and it serves exactly one run like any other child.
     """
-    go_r, req_fd, out_fd, err_fd, status_fd = fds
+    go_fd, out_fd, err_fd, status_fd = fds
     try:
         _close_all_but(fds)
         os.setpgid(0, 0)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        go = socket.socket(fileno=go_fd)
         while True:
             try:
-                go = os.read(go_r, 1)
+                msg, got, _, _ = socket.recv_fds(go, 1 << 16, 1)
                 break
             except InterruptedError:
                 continue
-        if not go:
+        if not msg or not got:
             os._exit(0)  # the zygote is gone or no longer needs us
-        size = os.fstat(req_fd).st_size
-        frames = FrameReader(1 << 31).feed(os.pread(req_fd, size, 0))
-        req, blobs = frames[0]
-        os.close(go_r)
-        os.close(req_fd)
-        stdin = blobs[len(req.get("files", []))] if req.get("has_stdin") else b""
-        if stdin:
-            in_fd = os.memfd_create("stdin", 0)
-            os.write(in_fd, stdin)
-            os.lseek(in_fd, 0, os.SEEK_SET)
-        else:
-            in_fd = os.open(os.devnull, os.O_RDONLY)
+        go.close()
+        req = json.loads(msg)
     except BaseException as exc:
         try:
             os.write(err_fd, (f"palaestra sandbox: setup failed: {exc!r}\n").encode())
         finally:
             os._exit(SETUP_FAILED_EXIT)
-    run_child(opts, req, (in_fd, out_fd, err_fd, status_fd), blobs)
+    run_child(opts, req, (out_fd, err_fd, status_fd), got[0])
 
 
 def pidns_init(opts, target, args, exit_fd, err_fd, run_tmpfs):
-    """pid 1 of a run's fresh pid namespace: private mounts, then the run itself as pid 2.
+    """pid 1 of a run's fresh pid namespace; the run itself is pid 2.
 
     The run is never pid 1, so its signals behave as anywhere else (pid 1 ignores SIGTERM
     sent by itself) and it cannot signal its parent (another uid, or outside its Landlock
-    domain: EPERM). This process keeps no capabilities once the run is forked; it reaps,
-    writes the run's wait status to ``exit_fd`` (a memfd only the zygote and it hold) and
-    exits, and the kernel then kills everything left in the namespace.
+    domain: EPERM). This process forks the run at once and keeps no capabilities after; it
+    reaps, writes the run's wait status to ``exit_fd`` (a memfd only the zygote and it hold)
+    and exits, and the kernel then kills everything left in the namespace. It does as little
+    as it can: each page it writes is copied once for it and once more for the run.
+    The run makes its private mounts itself (``private_run_mounts``) before anything else.
     """
     try:
         os.setpgid(0, 0)
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        if opts.get("private_mounts"):
-            private_run_mounts(opts, run_tmpfs)
         pid = os.fork()
     except BaseException as exc:
         try:
@@ -703,13 +959,23 @@ def pidns_init(opts, target, args, exit_fd, err_fd, run_tmpfs):
         finally:
             os._exit(SETUP_FAILED_EXIT)
     if pid == 0:
-        os.close(exit_fd)
+        try:
+            os.close(exit_fd)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            if opts.get("private_mounts"):
+                private_run_mounts(opts, run_tmpfs)
+        except BaseException as exc:
+            try:
+                os.write(err_fd, (f"palaestra sandbox: setup failed: {exc!r}\n").encode())
+            finally:
+                os._exit(SETUP_FAILED_EXIT)
         target(*args)
         os._exit(1)
     code = 1  # no status recorded: the zygote reports this exit (and the run is killed)
     try:
         _close_all_but((exit_fd,))
         drop_capabilities()
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         while True:
             try:
                 done, status = os.waitpid(-1, 0)
@@ -738,7 +1004,7 @@ def run_status(status, exit_fd):
 def kernel_child(opts, req, fds, blobs):
     """Body of a persistent interpreter (Jupyter-like): globals survive across cells."""
     try:
-        workdir = setup_child(opts, req, fds, [], keep_fd=req["_sock_fd"])
+        workdir = setup_child(opts, req, fds, keep_fd=req["_sock_fd"])
         sock = socket.socket(fileno=3)
     except BaseException as exc:
         try:
@@ -786,18 +1052,24 @@ def kernel_loop(sock, workdir, pidns=False):
         if not data:
             os._exit(0)
         fd_queue.extend(fds)
-        for header, blobs in reader.feed(data):
-            cell_fds, fd_queue = fd_queue[:3], fd_queue[3:]
-            for target, fd in zip((0, 1, 2), cell_fds):
+        for header, _ in reader.feed(data):
+            # The cell's payload memfd (code, then stdin), its stdout and stderr memfds.
+            (payload, out_fd, err_fd), fd_queue = fd_queue[:3], fd_queue[3:]
+            spans = blob_spans(header.get("sizes", []))
+            code_text = read_span(payload, spans[0]).decode("utf-8", "surrogateescape")
+            in_fd = span_memfd(payload, spans[1], "stdin") if header.get("has_stdin") else null
+            os.close(payload)
+            for target, fd in zip((0, 1, 2), (in_fd, out_fd, err_fd)):
                 os.dup2(fd, target)
-                os.close(fd)
+                if fd != null:
+                    os.close(fd)
             # Fresh stream objects: an earlier cell may have closed or replaced them (exit()
             # closes sys.stdin, for one).
             sys.stdin = open(0, closefd=False, encoding="utf-8")
             sys.stdout = open(1, "w", closefd=False, encoding="utf-8")
             sys.stderr = open(2, "w", closefd=False, encoding="utf-8", errors="backslashreplace")
-            code, oom = exec_python(blobs[0].decode("utf-8", "surrogateescape"), main.__dict__,
-                                    filename="<cell>")
+            code, oom = exec_python(code_text, main.__dict__, filename="<cell>")
+            del code_text
             for stream in (sys.stdout, sys.stderr):
                 try:
                     stream.flush()
@@ -842,46 +1114,27 @@ class Kernel:
 
 
 class Zygote:
-    def __init__(self, chan_in, chan_out, opts):
-        self.chan_in = chan_in
-        self.chan_out = chan_out
+    def __init__(self, chan, opts):
+        self.chan = chan
         self.opts = opts
         self.pid = os.getpid()
-        self.reader = FrameReader(1 << 31)
         self.runs = {}  # leader pid -> Job
         self.kernels = {}  # session -> live Kernel
         self.kernel_pids = {}  # pid -> Kernel (live or retired, until reaped)
         self.sel = selectors.DefaultSelector()
         self.max_output = int(opts.get("max_output", 1 << 17))
         self.null = os.open(os.devnull, os.O_RDWR)
-        self.spare = None  # (pid, go_w, req_fd, out_fd, err_fd, status_fd, exit_fd)
+        self.spare = None  # (pid, go socket, out_fd, err_fd, status_fd, exit_fd)
         self.stale_dirs = set()  # session mount points to delete once no namespace holds them
         self.own_pidns = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC) \
             if opts.get("pidns") else -1
 
     # -- plumbing
-    def send(self, header, blobs=()):
-        data = memoryview(pack(header, blobs))
-        while data:
-            try:
-                data = data[os.write(self.chan_out, data):]
-            except InterruptedError:
-                continue
-            except BlockingIOError:  # the channel is non-blocking: wait until the host reads
-                select.select([], [self.chan_out], [], 1.0)
+    def send(self, header, blobs=(), fds=()):
+        self.chan.send(header, blobs, fds)
 
-    def _memfd(self, name, data=None):
-        fd = os.memfd_create(name, os.MFD_CLOEXEC)
-        if data:
-            os.write(fd, data)
-            os.lseek(fd, 0, os.SEEK_SET)
-        return fd
-
-    def _collect(self, fd):
-        size = os.fstat(fd).st_size
-        data = os.pread(fd, min(size, self.max_output), 0) if size else b""
-        os.close(fd)
-        return data, size
+    def _memfd(self, name):
+        return os.memfd_create(name, os.MFD_CLOEXEC)
 
     def tracked(self):
         out = set(self.runs) | set(self.kernel_pids)
@@ -894,23 +1147,25 @@ class Zygote:
         with the run's mounts made), so a request only has to wake it."""
         if self.spare is not None or self.opts.get("no_spare"):
             return
-        go_r, go_w = os.pipe2(os.O_CLOEXEC)
-        fds = (go_r, self._memfd("request"), self._memfd("stdout"), self._memfd("stderr"),
-               self._memfd("status"))
+        go, go_child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        child_fd = go_child.detach()
+        fds = (child_fd, self._memfd("stdout"), self._memfd("stderr"), self._memfd("status"))
         try:
-            pid, exit_fd = self._fork(spare_child, (self.opts, fds), fds[3], run_tmpfs=True)
+            pid, exit_fd = self._fork(spare_child, (self.opts, fds), fds[2], run_tmpfs=True)
         except OSError:
-            for fd in (go_w,) + fds:
+            go.close()
+            for fd in fds:
                 os.close(fd)
             return
-        os.close(go_r)
-        self.spare = (pid, go_w) + fds[1:] + (exit_fd,)
+        os.close(child_fd)
+        self.spare = (pid, go) + fds[1:] + (exit_fd,)
 
     def drop_spare(self):
         if self.spare is None:
             return
-        pid, *fds = self.spare
+        pid, go, *fds = self.spare
         self.spare = None
+        go.close()  # the spare reads EOF and exits
         for fd in fds:
             if fd is not None:
                 try:
@@ -922,23 +1177,22 @@ class Zygote:
         except OSError:
             pass
 
-    def _dispatch_to_spare(self, req, blobs):
-        """Hand a run to the waiting spare; returns its pid, or None to fork instead."""
+    def _dispatch_to_spare(self, req, payload):
+        """Hand a run (its header and payload memfd) to the waiting spare; returns its pid,
+        or None to fork instead."""
         if self.spare is None:
             return None
-        pid, go_w, req_fd, out_fd, err_fd, status_fd, exit_fd = self.spare
+        pid, go, out_fd, err_fd, status_fd, exit_fd = self.spare
         self.spare = None
         try:
-            os.write(req_fd, pack(req, blobs))
-            os.write(go_w, b"g")
+            socket.send_fds(go, [json.dumps(req, separators=(",", ":")).encode()], [payload])
         except OSError:  # it died: fall back to a fresh fork
             for fd in (out_fd, err_fd, status_fd, exit_fd):
                 if fd is not None:
                     os.close(fd)
             return None
         finally:
-            os.close(go_w)
-            os.close(req_fd)
+            go.close()
         job = Job(req["id"], out_fd, err_fd, time.monotonic() + float(req["timeout"]),
                   uid=req.get("uid"))
         job.remove_dir = req["workdir"] if req.get("create_workdir") else None
@@ -979,13 +1233,13 @@ class Zygote:
         return pid, exit_fd
 
     # -- requests
-    def handle(self, header, blobs):
+    def handle(self, header, payload):
         op = header.get("op")
         try:
             if op == "run":
-                self.start_run(header, blobs)
+                self.start_run(header, payload)
             elif op == "cell":
-                self.start_cell(header, blobs)
+                self.start_cell(header, payload)
             elif op == "cancel":
                 self.cancel(header["id"])
             elif op == "kernel_stop":
@@ -1012,12 +1266,16 @@ class Zygote:
                 self.send({"op": "ok", "id": header["id"]})
             elif op == "write_file":
                 owner = header.get("owner")
-                write_tree_file(header["root"], header["path"], blobs[0],
+                write_tree_file(header["root"], header["path"], payload,
+                                (0, sum(header.get("blobs", []))),
                                 owner=tuple(owner) if owner else None)
                 self.send({"op": "ok", "id": header["id"]})
             elif op == "read_file":
-                data = read_tree_file(header["root"], header["path"], int(header["limit"]))
-                self.send({"op": "ok", "id": header["id"]}, [data])
+                fd, size = read_tree_file(header["root"], header["path"], int(header["limit"]))
+                try:
+                    self.send({"op": "ok", "id": header["id"]}, fds=[(fd, size)])
+                finally:
+                    os.close(fd)
             elif op == "ping":
                 self.send({"op": "ok", "id": header.get("id")})
             elif op == "shutdown":
@@ -1037,24 +1295,18 @@ class Zygote:
         elif uid is not None:
             os.chown(path, uid, uid)
 
-    def start_run(self, req, blobs):
-        if self._dispatch_to_spare(req, blobs) is not None:
+    def start_run(self, req, payload):
+        if self._dispatch_to_spare(req, payload) is not None:
             return
-        files_n = len(req.get("files", []))
-        stdin = blobs[files_n] if req.get("has_stdin") else None
-        in_fd = self._memfd("stdin", stdin) if stdin else os.open(os.devnull, os.O_RDONLY)
         out_fd, err_fd = self._memfd("stdout"), self._memfd("stderr")
-        fds = (in_fd, out_fd, err_fd)
+        fds = (out_fd, err_fd)
         status_fd = None
         if req.get("kind") == "python":
             status_fd = self._memfd("status")
             fds += (status_fd,)
         oom_before = self.oom_count()
-        try:
-            pid, exit_fd = self._fork(run_child, (self.opts, req, fds, blobs[:files_n]), err_fd,
-                                      run_tmpfs=bool(req.get("private_workdir")))
-        finally:
-            os.close(in_fd)
+        pid, exit_fd = self._fork(run_child, (self.opts, req, fds, payload), err_fd,
+                                  run_tmpfs=bool(req.get("private_workdir")))
         deadline = time.monotonic() + float(req["timeout"])
         job = self.runs[pid] = Job(req["id"], out_fd, err_fd, deadline, uid=req.get("uid"))
         job.remove_dir = req["workdir"] if req.get("create_workdir") else None
@@ -1074,7 +1326,7 @@ class Zygote:
                 continue
         return None
 
-    def start_cell(self, req, blobs):
+    def start_cell(self, req, payload):
         session = req["session"]
         kernel = self.kernels.get(session)
         restarted = False
@@ -1083,20 +1335,17 @@ class Zygote:
             kernel = self.start_kernel(req)
         if kernel.job is not None:
             raise RuntimeError(f"session {session!r} is already running a cell")
-        stdin = blobs[1] if req.get("has_stdin") else None
-        in_fd = self._memfd("stdin", stdin) if stdin else os.open(os.devnull, os.O_RDONLY)
         out_fd, err_fd = self._memfd("stdout"), self._memfd("stderr")
         job = Job(req["id"], out_fd, err_fd, time.monotonic() + float(req["timeout"]),
                   uid=kernel.uid, session=session)
         job.restarted = restarted
         kernel.job = job
-        try:
-            socket.send_fds(kernel.sock, [pack({"op": "cell", "id": req["id"]}, [blobs[0]])],
-                            [in_fd, out_fd, err_fd])
+        cell = {"op": "cell", "id": req["id"], "sizes": req.get("blobs", []),
+                "has_stdin": bool(req.get("has_stdin"))}
+        try:  # the kernel reads code and stdin from the payload memfd itself
+            socket.send_fds(kernel.sock, [pack(cell)], [payload, out_fd, err_fd])
         except OSError:
             pass  # the kernel died; its exit is reaped and reported for this cell
-        finally:
-            os.close(in_fd)
 
     def start_kernel(self, req):
         parent_sock, child_sock = socket.socketpair()
@@ -1256,8 +1505,7 @@ class Zygote:
             kill_descendants(self.pid, keep=tracked)
 
     def finish(self, job, status=None, ru=None, exit_code=None, kernel_died=False, oom=False):
-        out, out_size = self._collect(job.out_fd)
-        err, err_size = self._collect(job.err_fd)
+        out_size, err_size = os.fstat(job.out_fd).st_size, os.fstat(job.err_fd).st_size
         status_fd = getattr(job, "status_fd", None)
         if status_fd is not None:
             oom = oom or os.pread(status_fd, 16, 0).startswith(b"oom")
@@ -1274,7 +1522,12 @@ class Zygote:
         if ru is not None:
             header["cpu"] = ru.ru_utime + ru.ru_stime
             header["maxrss_kb"] = ru.ru_maxrss
-        self.send(header, [out, err])
+        try:  # outputs go from their memfds to the host without passing through our memory
+            self.send(header, fds=[(job.out_fd, min(out_size, self.max_output)),
+                                   (job.err_fd, min(err_size, self.max_output))])
+        finally:
+            os.close(job.out_fd)
+            os.close(job.err_fd)
 
     def check_deadlines(self):
         now = time.monotonic()
@@ -1321,6 +1574,26 @@ class Zygote:
         kill_descendants(self.pid)
         os._exit(0)
 
+    def on_channel(self):
+        """Handle every frame the host has sent so far, payloads straight into memfds."""
+        while True:
+            try:
+                got = self.chan.read_head(block=False)
+                if got is False:
+                    return
+                if got is None:
+                    self.shutdown()  # the host went away: leave nothing behind
+                header, size = got
+                payload = (self.chan.payload_memfd(size)
+                           if size or header.get("op") in PAYLOAD_OPS else None)
+            except (EOFError, ValueError):
+                self.shutdown()  # a truncated or garbled frame: the host is gone or broken
+            try:
+                self.handle(header, payload)
+            finally:
+                if payload is not None:
+                    os.close(payload)
+
     def serve(self):
         _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         # As pid 1 of a container nothing inside can signal us once no handler is installed.
@@ -1328,22 +1601,15 @@ class Zygote:
         wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(wake_w)
-        os.set_blocking(self.chan_in, False)
-        self.sel.register(self.chan_in, selectors.EVENT_READ, ("chan", None))
+        os.set_blocking(self.chan.fd_in, False)
+        self.sel.register(self.chan.fd_in, selectors.EVENT_READ, ("chan", None))
         self.sel.register(wake_r, selectors.EVENT_READ, ("wake", None))
         timeout = None
         while True:
             for key, _ in self.sel.select(timeout):
                 kind, arg = key.data
                 if kind == "chan":
-                    try:
-                        data = os.read(self.chan_in, 1 << 20)
-                    except (BlockingIOError, InterruptedError):
-                        continue
-                    if not data:
-                        self.shutdown()  # the host went away: leave nothing behind
-                    for header, blobs in self.reader.feed(data):
-                        self.handle(header, blobs)
+                    self.on_channel()
                 elif kind == "wake":
                     try:
                         while os.read(wake_r, 4096):
@@ -1399,6 +1665,16 @@ def probe_features(opts):
     return feats
 
 
+def warm_up():
+    """Do once here what every run would otherwise do first after its fork: compile() builds
+    CPython's ~120 AST heap types on first use (PyAST_Check), and run-time imports load once."""
+    import atexit  # noqa: F401  (each is imported by every run or kernel)
+    import fcntl  # noqa: F401
+    import types  # noqa: F401
+    exec(compile("pass", "<warm-up>", "exec"), {"__builtins__": __builtins__})
+    capset_args()
+
+
 def main():
     opts = json.loads(sys.argv[1]) if len(sys.argv) > 1 else {}
     if opts.get("stdio"):
@@ -1422,17 +1698,14 @@ def main():
             __import__(name)
         except Exception:
             pass  # a missing optional module is not an error; the child gets ImportError
-    reader = FrameReader(1 << 31)
-    init = None
-    while init is None:  # the first frame carries the seccomp filter and the final options
-        data = os.read(chan_in, 1 << 20)
-        if not data:
-            os._exit(0)
-        for header, blobs in reader.feed(data):
-            init = (header, blobs)
-    header, blobs = init
+    chan = Channel(chan_in, chan_out)
+    init = chan.read_head()  # the first frame carries the seccomp filter and the final options
+    if not init:
+        os._exit(0)
+    header, size = init
+    bpf = chan.read_payload_bytes(size)
     opts.update(header.get("opts", {}))
-    opts["_seccomp_prog"] = seccomp_prepare(blobs[0]) if blobs and blobs[0] else None
+    opts["_seccomp_prog"] = seccomp_prepare(bpf) if bpf else None
     opts["_hard_limits"] = hard_limits()
     os.environ.clear()
     os.environ.update(opts.get("env", {}))
@@ -1454,11 +1727,11 @@ def main():
         opts["pidns"] = False  # the host refuses to use us unless it asked for no pidns
     if not feats["mounts_ok"]:
         opts["private_mounts"] = False
-    zyg = Zygote(chan_in, chan_out, opts)
-    zyg.reader = reader
+    zyg = Zygote(chan, opts)
     feats["pidns"] = bool(opts.get("pidns"))
     feats["private_mounts"] = bool(opts.get("private_mounts"))
     zyg.send({"op": "ready", "features": feats})
+    warm_up()
     import gc
     gc.collect()
     gc.freeze()  # long-lived objects out of the collector's way: children copy fewer pages

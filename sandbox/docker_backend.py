@@ -25,7 +25,13 @@ from palaestra.sandbox.errors import SandboxFileError
 from palaestra.sandbox.isolation import DEV_FILES, clean_env
 from palaestra.sandbox.outcome import result_from_frame
 from palaestra.sandbox.result import ExecResult
-from palaestra.sandbox.zygote import ZygoteClient, ZygoteDied, agent_source
+from palaestra.sandbox.zygote import (
+    ZygoteClient,
+    ZygoteDied,
+    agent_source,
+    cell_frame,
+    run_frame,
+)
 
 MIB = 1024 * 1024
 LABEL = "palaestra.sandbox"
@@ -324,13 +330,8 @@ class DockerSandbox(Sandbox):
             workdir, create = f"{WORKSPACE}/run", True
         else:
             zyg, workdir, create = await self._session_zygote(handle), WORKSPACE, False
-        header = {"op": "run", "kind": spec.kind, "code": spec.code, "argv": list(spec.argv),
-                  "workdir": workdir, "create_workdir": create, "uid": None,
-                  "files": [name for name, _ in spec.files], "has_stdin": spec.stdin is not None,
-                  "timeout": spec.timeout, "limits": self._limits(spec.timeout)}
-        blobs = [data for _, data in spec.files]
-        if spec.stdin is not None:
-            blobs.append(spec.stdin)
+        header, blobs = run_frame(spec, workdir=workdir, create_workdir=create, uid=None,
+                                  limits=self._limits(spec.timeout))
         try:
             reply, out = await zyg.request(header, blobs, timeout=spec.timeout + HOST_GRACE_S)
             return result_from_frame(reply, out)
@@ -371,13 +372,10 @@ class DockerSandbox(Sandbox):
 
     async def _run_cell(self, handle: _DockerSession, spec: RunSpec) -> ExecResult:
         zyg = await self._session_zygote(handle)
-        header = {"op": "cell", "session": handle.sid, "timeout": spec.timeout,
-                  "had_kernel": handle.had_kernel, "uid": None, "workdir": WORKSPACE,
-                  "create_workdir": False, "kind": "kernel", "has_stdin": spec.stdin is not None,
-                  "limits": self._limits(spec.timeout, cpu=self.config.session_cpu_seconds)}
-        blobs = [spec.code.encode("utf-8", "surrogateescape")]
-        if spec.stdin is not None:
-            blobs.append(spec.stdin)
+        header, blobs = cell_frame(
+            spec, session=handle.sid, had_kernel=handle.had_kernel, uid=None,
+            workdir=WORKSPACE, create_workdir=False,
+            limits=self._limits(spec.timeout, cpu=self.config.session_cpu_seconds))
         handle.had_kernel = True
         try:
             reply, out = await zyg.request(header, blobs, timeout=spec.timeout + HOST_GRACE_S)

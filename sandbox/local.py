@@ -40,7 +40,7 @@ from palaestra.sandbox.outcome import result_from_frame
 from palaestra.sandbox.probe import IsolationReport, probe_isolation
 from palaestra.sandbox.result import ExecResult
 from palaestra.sandbox.uids import UidRange
-from palaestra.sandbox.zygote import LocalZygote, ZygoteDied
+from palaestra.sandbox.zygote import LocalZygote, ZygoteDied, cell_frame, run_frame
 
 MIB = 1024 * 1024
 #: Extra seconds the host waits beyond a run's timeout before declaring the worker hung.
@@ -293,14 +293,9 @@ class LocalSandbox(Sandbox):
         else:
             zyg = await self._worker(handle.worker)
             uid, workdir, create = handle.uid, handle.workdir, False
-        header = {"op": "run", "kind": spec.kind, "code": spec.code, "argv": list(spec.argv),
-                  "workdir": workdir, "create_workdir": create, "uid": uid,
-                  "private_workdir": self._quotas and handle is None,
-                  "files": [name for name, _ in spec.files], "has_stdin": spec.stdin is not None,
-                  "timeout": spec.timeout, "limits": self._limits(spec.timeout)}
-        blobs = [data for _, data in spec.files]
-        if spec.stdin is not None:
-            blobs.append(spec.stdin)
+        header, blobs = run_frame(spec, workdir=workdir, create_workdir=create, uid=uid,
+                                  private_workdir=self._quotas and handle is None,
+                                  limits=self._limits(spec.timeout))
         try:  # the zygote deletes a run's directory itself once the run is over
             reply, out = await zyg.request(header, blobs, timeout=spec.timeout + HOST_GRACE_S)
         except ZygoteDied as exc:
@@ -348,13 +343,10 @@ class LocalSandbox(Sandbox):
 
     async def _run_cell(self, handle: _LocalSession, spec: RunSpec) -> ExecResult:
         zyg = await self._worker(handle.worker)
-        header = {"op": "cell", "session": handle.sid, "timeout": spec.timeout,
-                  "had_kernel": handle.had_kernel, "uid": handle.uid, "workdir": handle.workdir,
-                  "create_workdir": False, "kind": "kernel", "has_stdin": spec.stdin is not None,
-                  "limits": self._limits(spec.timeout, cpu=self.config.session_cpu_seconds)}
-        blobs = [spec.code.encode("utf-8", "surrogateescape")]
-        if spec.stdin is not None:
-            blobs.append(spec.stdin)
+        header, blobs = cell_frame(
+            spec, session=handle.sid, had_kernel=handle.had_kernel, uid=handle.uid,
+            workdir=handle.workdir, create_workdir=False,
+            limits=self._limits(spec.timeout, cpu=self.config.session_cpu_seconds))
         handle.had_kernel = True
         try:
             reply, out = await zyg.request(header, blobs, timeout=spec.timeout + HOST_GRACE_S)

@@ -24,8 +24,31 @@ from typing import Any
 
 from palaestra.errors import SandboxError
 from palaestra.sandbox._agent import FrameReader, pack
+from palaestra.sandbox.base import RunSpec
 
 Frame = tuple[dict[str, Any], list[bytes]]
+
+
+def run_frame(spec: RunSpec, **header: Any) -> tuple[dict[str, Any], list[bytes]]:
+    """The ``run`` request for ``spec``: a header of what the zygote needs (limits, paths,
+    uid) and the payload it must never read, only hand to the run as a memfd: a meta blob
+    (code, argv, file names), the files, then stdin."""
+    meta = json.dumps({"code": spec.code, "argv": list(spec.argv),
+                       "files": [name for name, _ in spec.files]}).encode()
+    blobs = [meta, *(data for _, data in spec.files)]
+    if spec.stdin is not None:
+        blobs.append(spec.stdin)
+    return dict(header, op="run", kind=spec.kind, has_stdin=spec.stdin is not None,
+                timeout=spec.timeout), blobs
+
+
+def cell_frame(spec: RunSpec, **header: Any) -> tuple[dict[str, Any], list[bytes]]:
+    """The ``cell`` request of a persistent session: payload blobs code, then stdin."""
+    blobs = [spec.code.encode("utf-8", "surrogateescape")]
+    if spec.stdin is not None:
+        blobs.append(spec.stdin)
+    return dict(header, op="cell", kind="kernel", has_stdin=spec.stdin is not None,
+                timeout=spec.timeout), blobs
 
 
 class ZygoteDied(SandboxError):
