@@ -43,17 +43,45 @@ def parse_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def wait_for_listener(host: str, port: int, timeout_s: float) -> None:
+    """Return once ``host:port`` accepts a TCP connection; `EngineError` after ``timeout_s``.
+
+    A joining rank probes the trainer's store first: torch's own client would retry a closed
+    port silently for the whole group timeout (minutes), this says within seconds what is wrong.
+    """
+    import socket
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    last: OSError | None = None
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((host, port), timeout=max(min(left, 2.0), 0.05)):
+                return
+        except OSError as exc:
+            last = exc
+        if time.monotonic() + 0.1 >= deadline:
+            raise EngineError(
+                f"nothing accepts connections at {host}:{port} (the weight-update group's "
+                f"rendezvous, served by the trainer, rank 0) after {timeout_s:g} s: {last}; "
+                "start the trainer's group first or fix master_address/master_port")
+        time.sleep(0.1)
+
+
 def init_weight_group(
     *, backend: str, master_address: str, master_port: int, world_size: int, rank: int,
     group_name: str = DEFAULT_GROUP_NAME, timeout_s: float = 600.0,
-    device: torch.device | None = None,
+    device: torch.device | None = None, connect_timeout_s: float | None = None,
 ) -> Any:
     """Join (rank 0: host) the weight-update group; blocks until all ``world_size`` ranks joined.
 
     ``backend`` is "nccl" (CUDA tensors) or "gloo" (CPU tensors). The NCCL communicator is
     created lazily, at the first broadcast, as upstream SGLang does: an eager side (``device``
     given) waits in here for peers that only connect at that broadcast, so pass ``device`` only
-    when every member is eager too.
+    when every member is eager too. ``timeout_s`` bounds the rendezvous and every later
+    collective; a joining rank (``rank > 0``) with ``connect_timeout_s`` first waits at most that
+    long for the trainer's store to listen (`wait_for_listener`).
     """
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import (
@@ -70,6 +98,8 @@ def init_weight_group(
         raise ConfigError(f"rank {rank} is outside the group of {world_size}")
     if not dist.is_available():
         raise EngineError("this torch build has no torch.distributed")
+    if rank > 0 and connect_timeout_s is not None:
+        wait_for_listener(master_address, master_port, min(connect_timeout_s, timeout_s))
     timeout = timedelta(seconds=timeout_s)
     store, rank, world_size = next(rendezvous(
         f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
@@ -131,4 +161,5 @@ __all__ = [
     "init_weight_group",
     "parse_dtype",
     "receive_tensors",
+    "wait_for_listener",
 ]
