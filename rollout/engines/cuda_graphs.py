@@ -6,6 +6,8 @@ The batch is padded up to a bucket (padding rows decode token 0 at position 0 in
 the attended key length up to a multiple of ``key_granularity``, so a few graphs cover a whole
 run. Graphs capture tensor addresses: weights are updated in place (graphs stay valid); a KV
 cache reallocation or a device move drops them and they are captured again on demand.
+Capture and replay run on the engine's own stream (the current one when `run` is called), in
+thread-local capture mode, so a training thread on the same GPU can keep launching kernels.
 """
 
 from __future__ import annotations
@@ -99,7 +101,9 @@ class DecodeGraphs:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread-local capture: CUDA calls of other threads (a trainer stepping in async mode)
+        # neither fail nor invalidate this capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             out = self.decoder.decode(tok_buf, pos_buf, self.cache, lp)
         self.captures += 1
         return graph, tok_buf, pos_buf, out

@@ -74,6 +74,17 @@ class LocalRequest:
 
 
 @dataclass(frozen=True)
+class _SamplingPlan:
+    """Per-call sampling inputs of a batch (see `LocalEngine._sampling_plan`)."""
+
+    biases: list[tuple[Any, Any, Any]]  # (row, token ids, values) on the device
+    temperatures: list[float]
+    top_ps: list[float]
+    top_ks: list[int]
+    uniforms: Any  # [k, B] float32 on the device, None when every row is greedy
+
+
+@dataclass(frozen=True)
 class StreamChunk:
     """Tokens a streaming request gained in one step; ``generation`` is set on the last chunk."""
 
@@ -149,6 +160,14 @@ class LocalEngine:
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="palaestra-engine")
             if use_thread else None
         )
+        # every kernel of the engine runs on its own stream: decode (bandwidth-bound) overlaps a
+        # trainer's kernels on the default stream of the same GPU (async mode), and the graphs
+        # are captured in thread-local mode, so that trainer's CUDA calls cannot break a capture
+        self._stream: Any = None
+        if dev.type == "cuda":
+            self._stream = torch.cuda.Stream(device=dev)
+            # the weights and the zeroed cache were written on the constructing thread's stream
+            self._stream.wait_stream(torch.cuda.current_stream(dev))
         self._graphs: Any = None
         if cuda_graphs and dev.type == "cuda":
             from palaestra.rollout.engines.cuda_graphs import DecodeGraphs
@@ -171,6 +190,10 @@ class LocalEngine:
              "cached_tokens", "generated_tokens", "prefill_steps", "decode_steps", "decode_calls"), 0)
 
     # ------------------------------------------------------------------------------- protocol
+    #: `update_weights` applies between two decode steps while requests keep running, so a
+    #: rollout manager need not park in-flight episodes around a push
+    updates_in_place = True
+
     @property
     def weight_version(self) -> int:
         return self._version
@@ -252,7 +275,8 @@ class LocalEngine:
         if tensor is None:
             raise EngineError(f"no weight named {name!r}; names are the checkpoint's Hugging "
                               f"Face names, e.g. {self.decoder.weight_names[0]!r}")
-        return tensor[:max(truncate_size, 0)].float().cpu().tolist()  # type: ignore[no-any-return]
+        with self._on_stream():
+            return tensor[:max(truncate_size, 0)].float().cpu().tolist()  # type: ignore[no-any-return]
 
     async def update_weights(
         self,
@@ -283,12 +307,29 @@ class LocalEngine:
         self._ensure_started()
         assert self._lock is not None
         async with self._lock:
-            await self._compute(self.decoder.load_weights, named)
+            await self._compute(self._load_after_producer, named)
             if self._graphs is not None:
                 self._graphs.weights_changed()
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()
             self._version = self._version + 1 if version is None else int(version)
+
+    def _load_after_producer(self, named: Iterable[tuple[str, Any]]) -> int:
+        import torch
+
+        if self._stream is not None:  # the new tensors come from the caller's (default) stream
+            self._stream.wait_stream(torch.cuda.default_stream(self.device))
+        count = self.decoder.load_weights(named)
+        if self._stream is not None:  # the caller may free (and reuse) the sources at once
+            self._stream.synchronize()
+        return count
+
+    def _on_stream(self) -> contextlib.AbstractContextManager[Any]:
+        """The engine's CUDA stream as the current one (bookkeeping copies on the loop thread)."""
+        import torch
+
+        return torch.cuda.stream(self._stream) if self._stream is not None \
+            else contextlib.nullcontext()
 
     async def pause(self, mode: str = "in_place") -> None:
         """Stop scheduling steps (returns once the step in flight ended).
@@ -359,6 +400,10 @@ class LocalEngine:
         self._ensure_started()
         assert self._lock is not None
         async with self._lock:
+            self._release_memory(tags)
+
+    def _release_memory(self, tags: list[str]) -> None:
+        with self._on_stream():  # ordered after the engine's own kernels
             if "kv_cache" in tags:
                 self.cache.release()
                 if self.prefix_cache is not None:
@@ -373,6 +418,10 @@ class LocalEngine:
         self._ensure_started()
         assert self._lock is not None
         async with self._lock:
+            self._resume_memory(tags)
+
+    def _resume_memory(self, tags: list[str]) -> None:
+        with self._on_stream():
             if "weights" in tags:
                 self.decoder.to_device(self.device)
             if "kv_cache" in tags and self.cache.slots == 0:
@@ -458,7 +507,7 @@ class LocalEngine:
         import torch
 
         def call() -> Any:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._on_stream():
                 return fn(*args)
 
         if self._executor is None:
@@ -499,7 +548,7 @@ class LocalEngine:
             import torch
 
             for req in reqs:
-                with torch.inference_mode():
+                with torch.inference_mode(), self._on_stream():
                     self._release_slot_of(req)
                 self._fail(req, EngineError(f"generation failed: {type(exc).__name__}: {exc}"))
             return
@@ -622,6 +671,7 @@ class LocalEngine:
         dev = self.device
         tokens_dev = torch.tensor([r.output_ids[-1] for r in reqs], device=dev)
         pos0 = torch.tensor(positions, device=dev)
+        plan = self._sampling_plan(reqs, k)
         out_tokens, out_logprobs = [], []
         for step in range(k):
             key_len = max(positions) + step + 1
@@ -630,7 +680,7 @@ class LocalEngine:
                 logits = self._graphs.run(tokens_dev, pos, key_len)
             else:
                 logits = self.decoder.decode(tokens_dev, pos, self.cache, key_len)
-            tokens_dev, logprobs_dev = self._sample_device(logits, reqs)
+            tokens_dev, logprobs_dev = self._sample_device(logits, reqs, plan, step)
             out_tokens.append(tokens_dev)
             out_logprobs.append(logprobs_dev)
             self.counters["decode_steps"] += 1
@@ -644,34 +694,50 @@ class LocalEngine:
                 ) -> tuple[list[list[int]], list[list[float]]]:
         import torch
 
-        tokens, logprobs = self._sample_device(logits, reqs)
+        tokens, logprobs = self._sample_device(logits, reqs, self._sampling_plan(reqs, 1), 0)
         both = torch.stack((tokens.to(torch.float32), logprobs)).cpu()
         return [[int(t)] for t in both[0].tolist()], [[lp] for lp in both[1].tolist()]
 
-    def _sample_device(self, logits: torch.Tensor, reqs: list[LocalRequest]
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sampling_plan(self, reqs: list[LocalRequest], k: int) -> _SamplingPlan:
+        """What ``k`` sampling steps of this batch need, built once per decode call.
+
+        The per-row Python (logit biases, per-request generators) runs once per call, not once
+        per step: a seeded row draws its ``k`` uniforms in one call, which gives the numbers
+        ``k`` single draws would (as does the shared generator's ``[k, B]`` draw), so a seeded
+        request samples the same tokens whatever ``k`` and its batch are.
+        """
         import torch
 
-        from palaestra.rollout.engines.sampling import sample_rows
-
+        dev = self.device
+        biases = []
         for row, req in enumerate(reqs):
             if req.sampling.logit_bias:  # rare: the loop is cheap Python when unused
-                ids = torch.tensor([k for k, _ in req.sampling.logit_bias], device=logits.device)
-                vals = torch.tensor([v for _, v in req.sampling.logit_bias], device=logits.device)
-                logits[row].index_add_(0, ids, vals)
-        for proc in self.logits_processors:
-            proc(logits, reqs)
+                pairs = req.sampling.logit_bias
+                biases.append((row, torch.tensor([t for t, _ in pairs], device=dev),
+                               torch.tensor([v for _, v in pairs], device=dev)))
         params = [r.sampling for r in reqs]
         uniforms = None
         if not all(p.greedy for p in params):
-            uniforms = torch.rand(len(reqs), generator=self._rng)
-            for row, req in enumerate(reqs):
-                if req.generator is not None:
-                    uniforms[row] = torch.rand(1, generator=req.generator)[0]
-        return sample_rows(
-            logits, [p.temperature for p in params], [p.top_p for p in params],
-            [p.top_k for p in params], uniforms,
-        )
+            uniforms = torch.rand(k, len(reqs), generator=self._rng)
+            seeded = [(row, r.generator) for row, r in enumerate(reqs) if r.generator is not None]
+            if seeded:
+                rows = torch.tensor([row for row, _ in seeded])
+                uniforms[:, rows] = torch.stack([torch.rand(k, generator=g) for _, g in seeded],
+                                                dim=1)
+            uniforms = uniforms.to(dev)  # one host-to-device copy per call
+        return _SamplingPlan(biases, [p.temperature for p in params], [p.top_p for p in params],
+                             [p.top_k for p in params], uniforms)
+
+    def _sample_device(self, logits: torch.Tensor, reqs: list[LocalRequest],
+                       plan: _SamplingPlan, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        from palaestra.rollout.engines.sampling import sample_rows
+
+        for row, ids, vals in plan.biases:
+            logits[row].index_add_(0, ids, vals)
+        for proc in self.logits_processors:
+            proc(logits, reqs)
+        return sample_rows(logits, plan.temperatures, plan.top_ps, plan.top_ks,
+                           None if plan.uniforms is None else plan.uniforms[step])
 
     # --------------------------------------------------------------- bookkeeping (event loop)
     def _after_step(self, reqs: list[LocalRequest], tokens: list[list[int]],
@@ -706,7 +772,7 @@ class LocalEngine:
 
         if self.prefix_cache is None:
             return
-        with torch.inference_mode():
+        with torch.inference_mode(), self._on_stream():
             for r in reqs:
                 if r.share_prompt:
                     r.share_prompt = False
@@ -733,7 +799,7 @@ class LocalEngine:
         """Take a running request out of its slot (keeping its KV for reuse) and finish it."""
         import torch
 
-        with torch.inference_mode():
+        with torch.inference_mode(), self._on_stream():
             if self.prefix_cache is not None and req.kv_len >= self.prefix_cache.min_tokens:
                 n = req.kv_len
                 tokens = tuple(req.input_ids + req.output_ids)[:n]

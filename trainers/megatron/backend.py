@@ -27,6 +27,7 @@ from palaestra.trainers.megatron import losses
 from palaestra.trainers.megatron.arch import ModelArch, arch_from_hf_config
 from palaestra.trainers.megatron.config import MegatronBackendConfig
 from palaestra.trainers.megatron.logprobs import shifted_token_logprobs
+from palaestra.trainers.megatron.packed_rope import set_positions
 from palaestra.trainers.megatron.parallel import ParallelConfig, init_parallel
 from palaestra.trainers.megatron.weight_sync import Bucket, SyncStats, iter_hf_buckets, sync_weights
 from palaestra.trainers.megatron.weights import (
@@ -229,6 +230,7 @@ class MegatronBackend:
             cu_seqlens_q_padded=host, cu_seqlens_kv_padded=host,
             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),
         )
+        set_positions(unwrap(model), pos[0])  # one RoPE rotation per row (see packed_rope)
         out = model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=packed)
         if pad and unwrap(model).post_process:
             out = out[:, :width]
@@ -384,10 +386,12 @@ class MegatronBackend:
 
         start = time.perf_counter()
         critic = self.cfg.critic
+        logprobs_s = 0.0
         if (not critic and loss_cfg.needs_ref_logprobs and batch.ref_logprobs is None
                 and (loss_cfg.objective == "dpo" or loss_cfg.kl_mode == "loss")
                 and self._ref_weights is not None):
             batch = batch.replace(ref_logprobs=self.forward_logprobs(batch, ref=True))
+            logprobs_s = time.perf_counter() - start
         check_train_batch(batch, loss_cfg, critic=critic)
         fields = {n: getattr(batch, n) for n in TOKEN_FIELDS if getattr(batch, n) is not None}
         fields[losses.WEIGHTS] = batch_loss_weights(batch, loss_cfg)
@@ -440,7 +444,8 @@ class MegatronBackend:
                        num_tokens=float(batch.num_tokens),
                        num_loss_tokens=float(batch.num_loss_tokens),
                        num_micro_batches=float(len(mbs)),
-                       step_time_s=time.perf_counter() - start)
+                       step_time_s=time.perf_counter() - start,
+                       logprobs_s=logprobs_s)  # the reference forward inside this step
         return metrics
 
     def state_dict_for_engines(

@@ -231,6 +231,10 @@ def build_gpt_model(
         for p in model.parameters():
             if p.dtype != config.params_dtype:
                 p.data = p.data.to(config.params_dtype)
+    if not getattr(config, "apply_rope_fusion", False):  # the fused THD RoPE keeps its table
+        from palaestra.trainers.megatron.packed_rope import install
+
+        install(model)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -64,6 +64,40 @@ from palaestra.trainers.torch_backend.optim import build_optimizer, build_schedu
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+#: ``attn_implementation = "varlen"``: packed rows attend within each sequence through torch's
+#: variable-length flash kernel (per-sequence SDPA on CPU); no [tokens, tokens] mask is built
+VARLEN = "varlen"
+_VARLEN_HF_NAME = "palaestra_varlen"
+
+
+def _varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None,
+                      scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
+                      ) -> tuple[torch.Tensor, None]:
+    """HF attention function over one packed row: q ``[1, H, T, D]`` -> ``[1, T, H, D]``."""
+    from palaestra.trainers.megatron.attention_core import sdpa_thd
+
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None or query.shape[0] != 1:
+        raise ConfigError("attn_implementation='varlen' needs packed rows (pack_sequences=True)")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, heads, D]
+    device_type = q.device.type
+    if torch.is_autocast_enabled(device_type):  # HF's q/k norms hand back float32
+        dtype = torch.get_autocast_dtype(device_type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out = sdpa_thd(q, k, v, cu, kwargs.get("max_length_q"), scale=scaling,
+                   dropout_p=dropout if module.training else 0.0)
+    return out.view(1, q.shape[0], q.shape[1], -1), None
+
+
+def _register_varlen() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(_VARLEN_HF_NAME, _varlen_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(_VARLEN_HF_NAME, lambda *args, **kwargs: None)
+    return _VARLEN_HF_NAME
+
 
 def seed_everything(seed: int) -> None:
     """Seed python, numpy and torch (all devices)."""
@@ -134,7 +168,12 @@ class TorchBackend:
             "dtype": self.param_dtype,
             "trust_remote_code": self.config.trust_remote_code,
         }
-        if self.config.attn_implementation:
+        if self.config.attn_implementation == VARLEN:
+            if not self.config.pack_sequences:
+                raise ConfigError("attn_implementation='varlen' attends within packed rows: set "
+                                  "pack_sequences=True (or use 'sdpa')")
+            kwargs["attn_implementation"] = _register_varlen()
+        elif self.config.attn_implementation:
             kwargs["attn_implementation"] = self.config.attn_implementation
         if self.config.critic and trainable:
             # the value head starts from a seeded random init; no dropout keeps it deterministic
@@ -175,12 +214,20 @@ class TorchBackend:
         self, model: torch.nn.Module, mb: MicroBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[R, L, V]`` and the valid-position mask ``[R, L]`` of a micro-batch."""
+        extra: dict[str, Any] = {}
+        if self.config.attn_implementation == VARLEN:
+            lengths = [n for _, _, n in mb.spans]
+            cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+            cu = cu.to(self.device, non_blocking=True)
+            extra = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths),
+                     "max_length_k": max(lengths)}
         with self._autocast():
             out = model(
                 input_ids=mb.input_ids,
                 position_ids=mb.position_ids,
                 attention_mask=mb.attention_mask,
                 use_cache=False,
+                **extra,
             )
         valid = (mb.seq_index >= 0) & (mb.position_ids > 0)
         return out.logits, valid
@@ -314,10 +361,11 @@ class TorchBackend:
         Metrics: ``loss`` and the objective's terms (``actor/pg_loss``, ``actor/kl``,
         ``actor/entropy``, ``actor/clip_frac``, ... aggregated like the loss), ``grad_norm``
         (before clipping), ``lr``, ``num_tokens``, ``num_loss_tokens``, ``num_micro_batches``,
-        ``step_time_s``.
+        ``step_time_s``, ``logprobs_s`` (the reference forward inside the step; 0 without).
         """
         start = time.perf_counter()
         check_train_batch(batch, loss_cfg, critic=self.config.critic)
+        logprobs_s = 0.0
         if (
             not self.config.critic
             and loss_cfg.needs_ref_logprobs
@@ -326,6 +374,7 @@ class TorchBackend:
             and self.ref_model is not None
         ):
             batch = batch.replace(ref_logprobs=self.forward_logprobs(batch, ref=True))
+            logprobs_s = time.perf_counter() - start
         fields: dict[str, Sequence[torch.Tensor]] = {
             "weights": batch_loss_weights(batch, loss_cfg),
             "loss_mask": batch.loss_mask,
@@ -364,6 +413,7 @@ class TorchBackend:
         result["num_tokens"] = float(batch.num_tokens)
         result["num_loss_tokens"] = float(batch.num_loss_tokens)
         result["step_time_s"] = time.perf_counter() - start
+        result["logprobs_s"] = logprobs_s  # the reference forward inside this step, if any
         return result
 
     def _clip_and_step(self) -> float:
