@@ -5,7 +5,9 @@ exactly as returned and parsed into an assistant message; the env steps on that 
 observation is rendered by the agent as a delta. Failures never escape as exceptions: an env that
 raises, an engine that fails after its retries, an env step that outlives ``step_timeout_s`` or a
 context that overflows end the episode with a stop reason (``error``, ``timeout``, ``truncated``)
-and the error text on the `Trajectory` -- a bad rollout is data, not a crash.
+and the error text on the `Trajectory` -- a bad rollout is data, not a crash. So does a reward
+that is not a finite number (NaN, inf, a string, None): the episode fails with the reason instead
+of poisoning its group's advantages and the step's loss.
 
 Partial rollout: a generation that comes back with ``finish_reason == "abort"`` (weight update,
 shutdown) ends the call with stop reason ``aborted``; its tokens are already in the agent (with the version
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib
+import math
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field, replace
 from time import perf_counter, thread_time
@@ -134,7 +137,14 @@ async def run_episode(
             t = perf_counter()
             obs, reward, terminated, truncated, info = await _bounded(env.astep(action), step_timeout_s)
             st.env_s += perf_counter() - t
-            st.turns.append(Turn(action, obs, float(reward), info))
+            value = finite_reward(reward)
+            if value is None:
+                stop = StopReason.ERROR
+                error = (f"env.step: reward {reward!r} ({type(reward).__name__}) on turn "
+                         f"{len(st.turns)} is not a finite number; the env's reward must be an "
+                         "int or float")
+                break
+            st.turns.append(Turn(action, obs, value, info))
             if terminated or truncated:
                 default = StopReason.TERMINATED if terminated else StopReason.TRUNCATED
                 stop = StopReason(info.get("stop_reason") or default)
@@ -216,6 +226,17 @@ def _trajectory(
     )
 
 
+def finite_reward(reward: Any) -> float | None:
+    """``reward`` as a float, or None when it is not a finite number (NaN, inf, str, None...)."""
+    if isinstance(reward, (str, bytes, bytearray)):  # float("1") would accept them
+        return None
+    try:
+        value = float(reward)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
 @functools.cache
 def _runner(target: str) -> Any:
     module, _, name = target.partition(":")
@@ -236,4 +257,4 @@ async def _bounded(awaitable: Awaitable[T], timeout_s: float | None) -> T:
     return await asyncio.wait_for(awaitable, timeout_s)
 
 
-__all__ = ["EpisodeState", "run_episode"]
+__all__ = ["EpisodeState", "finite_reward", "run_episode"]

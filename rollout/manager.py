@@ -18,6 +18,18 @@ works on this one, and `update_weights` parks/resumes around the push. At hand-o
 checked against ``max_staleness`` (newest version minus the oldest sampled token's version) and
 dropped or requeued.
 
+Canonical order: every group gets an ordinal when first drawn (a requeued group keeps it); a
+batch holds its groups in ordinal order, each group's episodes in their index order, whatever
+order they finished in. Episode seeds derive from (``seed``, the task's draw seed, episode index),
+and a worker derives each request's sampling seed from the episode seed and the request index, so
+no sample depends on a shared RNG stream. Exact batches (``exact=True``, what ``palaestra train``
+uses in sync mode): no more groups are drawn than are still missing (``over_sampling`` does not
+draw ahead), so when a batch is complete nothing is in flight and the batch is the first
+``batch_size`` kept groups of the draw order -- a function of the data order, the seeds and the
+weights, never of timing (a resumed run draws exactly what an uninterrupted one would). Partial
+rollout (parked groups going on from their tokens) and async mode mix weight versions at points
+that follow timing; they stay available when ``exact`` is off.
+
 Ledger: every task drawn is, at any time, exactly one of kept, filtered, failed, dropped-stale,
 queued, in flight or ready; ``ledger/unaccounted`` in the metrics is always 0 and the per-step
 ``groups/*`` counters say where this step's tasks went.
@@ -33,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
-from palaestra.errors import CheckpointError, EngineError, RolloutError
+from palaestra.errors import CheckpointError, ConfigError, EngineError, RolloutError
 from palaestra.rollout.cluster import WorkerHandle, WorkerPool
 from palaestra.rollout.config import RolloutConfig, WorkerConfig
 from palaestra.rollout.data import DataSource, _mix
@@ -67,6 +79,7 @@ class RolloutBatch:
 class _Ready:
     task: GroupTask
     usable: tuple[Trajectory, ...]
+    ordinal: int = 0  # draw order of the group (the canonical batch order)
     min_version: int = -1  # oldest policy version of any sampled token in the group
 
     def __post_init__(self) -> None:
@@ -96,10 +109,19 @@ class RolloutManager:
         address: str | None = None,
         engine: Engine | None = None,
         pool: WorkerPool | None = None,
+        seed: int = 0,
+        exact: bool = False,
     ) -> None:
         self.data = data
         self.worker_config = worker_config
         self.config = config or RolloutConfig()
+        if exact and self.config.mode != "sync":
+            raise ConfigError(
+                "exact batches need mode='sync': in async mode batch k+1 is sampled while step k "
+                "trains, so which tokens see which weights follows timing"
+            )
+        self.seed = int(seed)
+        self.exact = exact
         self._engine = engine
         self._filters = resolve_filters(self.config.filters)
         self._control: Engine | None = engine
@@ -122,6 +144,7 @@ class RolloutManager:
         self._prefetch: asyncio.Task[bool] | None = None
         self._paused = False
         self._seq = 0
+        self._ordinal: dict[str, int] = {}  # group id -> draw order
         self.version = 0
 
     # ----- lifecycle ---------------------------------------------------------------------------
@@ -189,6 +212,7 @@ class RolloutManager:
             self._prune_stale()
             if len(self._ready) >= cfg.batch_size or not full:
                 break
+        self._ready.sort(key=lambda r: r.ordinal)  # oldest draws first, whatever finished first
         chosen, self._ready = self._ready[: cfg.batch_size], self._ready[cfg.batch_size :]
         if not chosen:
             raise RolloutError(
@@ -209,6 +233,8 @@ class RolloutManager:
         trajectories = [t for r in chosen for t in r.usable]
         samples = [s for t in trajectories for s in t.samples]
         c = st.counters
+        for key in ("groups/parked", "episodes/parked", "episodes/resumed"):
+            c[key] += 0  # always there: a resumed run's first step has not paused yet
         c["groups/kept"] = len(chosen)
         c["groups/ready_carried"] = len(self._ready)
         c["groups/in_flight"] = len(self._inflight)
@@ -216,6 +242,8 @@ class RolloutManager:
         c["batch/underfilled"] = int(len(chosen) < cfg.batch_size)
         c["version"] = self.version
         staleness = [self.version - r.min_version for r in chosen]
+        # completion order is timing: sort (stable, so a group's episodes keep their index order)
+        st.finished.sort(key=lambda t: self._ordinal.get(t.group_id, 0))
         metrics = summarize(
             st.finished, trajectories, c, perf_counter() - st.began,
             pass_threshold=cfg.pass_threshold,
@@ -226,6 +254,9 @@ class RolloutManager:
             metrics[f"ledger/{key}"] = float(value)
         failed = [t for t in st.finished if t.failed]
         self._step = _Step()
+        live = {t.group_id for t in self._queue} | set(self._inflight)
+        live |= {r.task.group_id for r in self._ready}
+        self._ordinal = {g: o for g, o in self._ordinal.items() if g in live}
         return RolloutBatch(step, samples, trajectories, metrics, self.version, failed)
 
     async def _fill(self) -> bool:
@@ -234,7 +265,9 @@ class RolloutManager:
         while len(self._ready) < cfg.batch_size:
             self._check_failures(final=False)
             missing = cfg.batch_size - len(self._ready)
-            target = min(cfg.max_inflight_groups, math.ceil(missing * cfg.over_sampling))
+            # exact batches never draw ahead: what is drawn then does not follow timing
+            ahead = 1.0 if self.exact else cfg.over_sampling
+            target = min(cfg.max_inflight_groups, math.ceil(missing * ahead))
             share = math.ceil(target / max(len(self._handles), 1))  # spread over the workers
             loaded = Counter(w for w, _ in self._inflight.values())
             for h in self._handles:
@@ -272,13 +305,15 @@ class RolloutManager:
                     break
                 self._seq += 1
                 n = self.config.group_size
+                base = _mix(self.seed, item.seed, 2)  # the run's seed, then the draw's
                 task = GroupTask(
                     group_id=f"g{self._seq}",
                     env_id=item.env_id,
                     task=dict(item.task),
                     task_id=item.task_id,
-                    seeds=tuple(_mix(item.seed, i, 1) for i in range(n)),
+                    seeds=tuple(_mix(base, i, 1) for i in range(n)),
                 )
+                self._ordinal[task.group_id] = self._seq
                 c["groups/drawn"] += 1
                 self._totals["drawn"] += 1
             self._inflight[task.group_id] = (worker, task)
@@ -306,7 +341,8 @@ class RolloutManager:
                 c["groups/filtered"] += 1
                 c[f"groups/filtered/{verdict.reason}"] += 1
             else:
-                self._ready.append(_Ready(task, verdict.usable))
+                ordinal = self._ordinal.get(task.group_id, 0)
+                self._ready.append(_Ready(task, verdict.usable, ordinal))
         self._prune_stale()
 
     def _prune_stale(self) -> None:
@@ -411,7 +447,11 @@ class RolloutManager:
         await self.start()
         new_version = self.version + 1 if version is None else int(version)
         t0 = perf_counter()
-        await self.pause()
+        # an engine that swaps weights between two decode steps (LocalEngine) needs no parking:
+        # in-flight episodes go on and record the version change in their tokens' spans
+        in_place = not self._paused and getattr(self._control, "updates_in_place", False)
+        if not in_place:
+            await self.pause()
         t1 = perf_counter()
         if push is not None:
             await push(self._control)
@@ -423,7 +463,8 @@ class RolloutManager:
             )
         self.version = new_version
         t2 = perf_counter()
-        await self.resume()
+        if not in_place:
+            await self.resume()
         return {"pause_s": t1 - t0, "push_s": t2 - t1, "resume_s": perf_counter() - t2}
 
     async def _on_engines(self, method: str, *args: Any, **kwargs: Any) -> None:
@@ -442,11 +483,14 @@ class RolloutManager:
         """Data position, version and the tasks not yet trained on (restarted on load)."""
         pending = [*self._queue, *(t for _, t in self._inflight.values()),
                    *(r.task for r in self._ready)]
+        pending.sort(key=lambda t: self._ordinal.get(t.group_id, 0))  # restarted in draw order
         return {
             "data": self.data.state_dict(),
             "version": self.version,
             "seq": self._seq,
             "pending": [asdict(t) for t in pending],
+            "ordinals": [self._ordinal.get(t.group_id, 0) for t in pending],
+            "totals": dict(self._totals),  # the ledger goes on where it stopped
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -456,8 +500,13 @@ class RolloutManager:
         self.version = int(state["version"])
         self._seq = int(state["seq"])
         tasks = [GroupTask(**{**d, "seeds": tuple(d["seeds"])}) for d in state["pending"]]
+        ordinals = state.get("ordinals") or range(len(tasks))
+        self._ordinal.update((t.group_id, int(o)) for t, o in zip(tasks, ordinals))
         self._queue = deque(tasks)
-        self._totals["drawn"] += len(tasks)
+        if "totals" in state:  # the pending tasks are part of its "drawn"
+            self._totals = Counter({k: int(v) for k, v in state["totals"].items()})
+        else:
+            self._totals["drawn"] += len(tasks)
 
     async def worker_stats(self) -> list[dict[str, Any]]:
         """Per worker: episodes played, engine time, CPU time, pools, tool cache, engine health."""

@@ -2,13 +2,16 @@
 
 `tasks_from_env` turns ``env.sample_task`` into dataset rows (with their ``env_id``) so such envs
 feed the same `DataSource` as file datasets; `evaluate_tasks` plays a fixed list of task rows
-once each through `run_episode` (held-out success rate during training).
+once each through `run_episode` (held-out success rate during training), each task with its own
+sampling seed (from ``seed`` and its index, unless ``sampling`` has one), so a score never depends
+on the order episodes reach the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -44,6 +47,7 @@ async def evaluate_tasks(
 ) -> tuple[dict[str, float], list[Trajectory]]:
     """Play each task once; success = reward >= ``pass_threshold``. Returns metrics, episodes."""
     from palaestra import envs
+    from palaestra.rollout.data import _mix
     from palaestra.rollout.episode import run_episode
 
     limit = asyncio.Semaphore(concurrency)
@@ -53,8 +57,10 @@ async def evaluate_tasks(
             env = envs.make(env_id, **dict(env_kwargs or {}))
             try:
                 row = {k: v for k, v in task.items() if k != "env_id"}
+                params = sampling if sampling.seed is not None else replace(
+                    sampling, seed=_mix(seed, i, 3))
                 return await run_episode(
-                    env, agent_spec.build(), engine, sampling, seed=seed + i, task=row,
+                    env, agent_spec.build(), engine, params, seed=seed + i, task=row,
                     session_id=f"eval-{seed}-{i}",
                 )
             finally:
@@ -62,10 +68,12 @@ async def evaluate_tasks(
 
     episodes = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
     rewards = np.array([t.reward for t in episodes], dtype=float)
+    calls = np.array([t.metrics.get("tool_calls", 0.0) for t in episodes], dtype=float)
     metrics = {
         "success_rate": float(np.mean(rewards >= pass_threshold)) if len(rewards) else 0.0,
         "reward_mean": float(rewards.mean()) if len(rewards) else 0.0,
         "failed": float(sum(t.failed for t in episodes)),
+        "tool_calls_mean": float(calls.mean()) if len(calls) else 0.0,  # Search-R1: searches
         "tasks": float(len(episodes)),
     }
     return metrics, list(episodes)

@@ -127,8 +127,8 @@ class RolloutWorker:
     def _apply(self, config: WorkerConfig) -> None:
         self.config = config
         agent = config.agent
-        self._make_agent = agent.build if hasattr(agent, "build") else agent
-        self._drift_rate = float(getattr(agent, "drift_rate", 0.0))
+        # the worker's rng seeds each agent's own per-episode drift draws (`Agent.start` draws)
+        self._make_agent = (lambda: agent.build(self._rng)) if hasattr(agent, "build") else agent
         self._pool: dict[str, list[Any]] = {}
         self._agents: list[Any] = []  # agents are reusable: start() resets them
         if config.tool_cache is not None:
@@ -367,12 +367,8 @@ class RolloutWorker:
         return env
 
     def _acquire_agent(self) -> Any:
-        if not self._agents:
-            return self._make_agent()
-        agent = self._agents.pop()
-        if self._drift_rate and hasattr(agent, "drift_check"):  # a fresh draw per episode
-            agent.drift_check = self._rng.random() < self._drift_rate
-        return agent
+        # a pooled agent draws this episode's drift check itself in `start`
+        return self._agents.pop() if self._agents else self._make_agent()
 
     def _release(self, env_id: str, env: Any) -> None:
         if env is not None:

@@ -19,6 +19,7 @@ from palaestra.benchmarks.training import EvalConfig as BenchmarkEvalConfig
 from palaestra.config import ConfigProblems, Section
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.megatron.config import MegatronBackendConfig
+from palaestra.trainers.services import ServicesSection
 from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
 
@@ -242,6 +243,8 @@ class TrainConfig(Section):
     benchmark_eval: BenchmarkEvalConfig = Field(default_factory=BenchmarkEvalConfig)
     """Benchmarks (``palaestra eval`` registry) evaluated every ``interval`` RL steps."""
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    services: ServicesSection = Field(default_factory=ServicesSection)
+    """Processes the run starts beside itself (a retrieval server), stopped when it ends."""
     logging: LoggingSection = Field(default_factory=LoggingSection)
 
     @model_validator(mode="after")

@@ -39,7 +39,9 @@ def config_problems(cfg: TrainConfig) -> list[Problem]:
         out += _offline_problems(cfg)
     if cfg.warmup.steps > 0:
         out += _demonstration_problems(cfg)
-    return out
+    from palaestra.trainers.services import services_problems
+
+    return out + services_problems(cfg)
 
 
 def launch_problems(cfg: TrainConfig) -> list[Problem]:

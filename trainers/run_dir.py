@@ -2,10 +2,13 @@
 
 Layout of ``--out DIR``::
 
-    config.json         the resolved config
+    config.json         the resolved config (a resume with other fixed settings is refused)
     state.json          phase and step reached (written atomically after each checkpoint)
     metrics.jsonl       one object per step: step, phase (sft|rl|dpo), reward_mean, loss, ...
     eval.jsonl          {"stage": "init"|"sft"|"rl"|"step-N", "success_rate": ..., ...}
+    failures.jsonl      one object per failed episode: step, env_id, task_id, stop_reason, error
+    console.log         what the run printed (progress bars in their final state)
+    timing.json         wall time of each phase of the last session
     checkpoints/        <phase>-<step>/ (backend state + trainer state), newest kept
     curves.png          reward / length / loss curves (matplotlib)
     tb/                 TensorBoard event files
@@ -15,10 +18,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-from collections.abc import Mapping
+import sys
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TextIO
+
+from palaestra.errors import ConfigError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 COMPLETE = "COMPLETE"
 
@@ -58,6 +69,17 @@ class RunDir:
     def log_eval(self, record: Mapping[str, Any]) -> None:
         self._append("eval.jsonl", record)
 
+    def log_failures(self, phase: str, step: int, trajectories: Iterable[Any]) -> int:
+        """One ``failures.jsonl`` line per failed episode (a `Trajectory`); returns how many."""
+        n = 0
+        for t in trajectories:
+            self._append("failures.jsonl", {
+                "phase": phase, "step": step, "env_id": t.env_id, "task_id": t.task_id,
+                "group_id": t.group_id, "stop_reason": t.stop_reason.value, "error": t.error,
+            })
+            n += 1
+        return n
+
     def read_jsonl(self, name: str) -> list[dict[str, Any]]:
         path = self.root / name
         if not path.exists():
@@ -72,21 +94,28 @@ class RunDir:
         return rows
 
     def truncate_metrics_after(self, phase: str, step: int) -> None:
-        """Drop metric lines a crashed run wrote after its last checkpoint (they are redone)."""
-        path = self.root / "metrics.jsonl"
-        if not path.exists():
-            return
+        """Drop metric and failure lines a crashed run wrote after its last checkpoint (they
+        are redone)."""
         order = {"sft": 0, "rl": 1, "dpo": 1}
-        keep = [
-            r for r in self.read_jsonl("metrics.jsonl")
-            if (order.get(r.get("phase", ""), 0), r.get("step", 0)) <= (order.get(phase, 0), step)
-        ]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in keep))
-        tmp.replace(path)
+        for name in ("metrics.jsonl", "failures.jsonl"):
+            path = self.root / name
+            if not path.exists():
+                continue
+            keep = [
+                r for r in self.read_jsonl(name)
+                if (order.get(r.get("phase", ""), 0), r.get("step", 0))
+                <= (order.get(phase, 0), step)
+            ]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(json.dumps(r, default=float) + "\n" for r in keep))
+            tmp.replace(path)
 
-    def has_eval(self, stage: str) -> bool:
-        return any(r.get("stage") == stage for r in self.read_jsonl("eval.jsonl"))
+    def has_eval(self, stage: str, step: int | None = None) -> bool:
+        """Whether ``stage`` was evaluated (at ``step``, when given and the record has one)."""
+        return any(
+            r.get("stage") == stage and (step is None or r.get("step", step) == step)
+            for r in self.read_jsonl("eval.jsonl")
+        )
 
     # ----- state and checkpoints --------------------------------------------------------------
     def read_state(self) -> dict[str, Any]:
@@ -122,8 +151,173 @@ class RunDir:
             self._tb.close()
 
 
+#: settings a resumed run may change: where and how fast it runs, how long, what it logs and
+#: checks (a run stopped by failures may resume with a higher ``max_failure_rate``)
+FREE_SETTINGS = (
+    "out", "trainer.steps", "checkpoint.", "logging.", "engine.", "benchmark_eval.",
+    "rollout.cluster", "rollout.ray_address", "rollout.num_workers", "rollout.max_concurrency",
+    "rollout.max_failure_rate", "agent.drift_rate", "agent.strict_drift", "eval.interval",
+    "trainer.torch.device", "trainer.torch.max_tokens_per_micro_batch",
+)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def settings_differences(
+    previous: Mapping[str, Any], current: Mapping[str, Any], free: Iterable[str] = FREE_SETTINGS,
+    *, both_only: bool = False,
+) -> list[str]:
+    """``"key: old -> new"`` for each fixed setting (not under a ``free`` prefix) that differs;
+    ``both_only`` compares only the settings both configs have."""
+    free = tuple(free)
+    old, new = _flatten(previous), _flatten(current)
+    keys = set(old) & set(new) if both_only else set(old) | set(new)
+    lines = []
+    for key in sorted(keys):
+        if any(key == f or (f.endswith(".") and key.startswith(f)) for f in free):
+            continue
+        if old.get(key, "(unset)") != new.get(key, "(unset)"):
+            lines.append(f"{key}: {old.get(key, '(unset)')!r} -> {new.get(key, '(unset)')!r}")
+    return lines
+
+
+def check_resume(
+    root: str | Path, current: Mapping[str, Any],
+    normalize: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+) -> None:
+    """Refuse to go on with the run directory ``root`` when its recorded fixed settings differ
+    from ``current`` (the resolved config as JSON data); a finished run may only grow its steps.
+    Reads only: a refused run directory is left as it was.
+
+    ``normalize`` re-resolves the recorded config with this version's schema (fields added since
+    then take their defaults); where it fails, only the settings both configs have are compared.
+    """
+    root = Path(root)
+    try:
+        previous = json.loads((root / "config.json").read_text())
+        state = json.loads((root / "state.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # nothing was trained here yet
+    both_only = normalize is None
+    if normalize is not None:
+        try:
+            previous = normalize(previous)
+        except Exception:  # noqa: BLE001 -- e.g. a field removed since: compare what both have
+            both_only = True
+    problems = settings_differences(previous, current, both_only=both_only)
+    reached = int(state.get("step", 0) or 0)
+    steps = int(_flatten(current).get("trainer.steps", reached))
+    if state.get("phase") == "done" and steps < reached:
+        problems.append(f"trainer.steps: {steps} is fewer than the {reached} steps this run "
+                        "already trained (a finished run can only be extended)")
+    if problems:
+        lines = "\n  - ".join(problems)
+        raise ConfigError(
+            f"{root} holds a run made with other settings; these may not change on resume:"
+            f"\n  - {lines}\nresume with the same settings, start over with --no-resume, or "
+            "choose another --out (a larger --trainer.steps extends a finished run)"
+        )
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+class _Tee:
+    """A text stream that also appends to a log file, keeping only the final state of lines
+    redrawn with carriage returns (progress bars) and no terminal escape codes."""
+
+    def __init__(self, stream: TextIO, log: TextIO) -> None:
+        self._stream, self._log = stream, log
+        self._line, self._cr = "", False
+
+    def write(self, text: str) -> int:
+        n = self._stream.write(text)
+        for part in re.split(r"(\r|\n)", _ANSI.sub("", text)):
+            if part == "\n":
+                if self._line.strip():
+                    self._log.write(self._line.rstrip() + "\n")
+                    self._log.flush()
+                self._line, self._cr = "", False
+            elif part == "\r":
+                self._cr = True  # what follows redraws the line
+            elif part:
+                if self._cr:
+                    self._line, self._cr = "", False
+                self._line += part
+        return n
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def close_line(self) -> None:
+        if self._line.strip():
+            self._log.write(self._line.rstrip() + "\n")
+        self._line = ""
+        self._log.flush()
+
+    def __getattr__(self, name: str) -> Any:  # isatty, fileno, encoding... of the console
+        return getattr(self._stream, name)
+
+
+class ConsoleLog:
+    """``with ConsoleLog(run.root / "console.log"):`` copies stdout and stderr into the file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file: TextIO | None = None
+        self._saved: tuple[TextIO, TextIO] | None = None
+
+    def __enter__(self) -> Self:
+        self._file = self.path.open("a", encoding="utf-8")
+        self._saved = (sys.stdout, sys.stderr)
+        sys.stdout = _Tee(sys.stdout, self._file)  # type: ignore[assignment]
+        sys.stderr = _Tee(sys.stderr, self._file)  # type: ignore[assignment]
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._saved is not None and self._file is not None
+        for tee in (sys.stdout, sys.stderr):
+            if isinstance(tee, _Tee):
+                tee.close_line()
+        sys.stdout, sys.stderr = self._saved
+        if exc is not None and not isinstance(exc, KeyboardInterrupt):
+            import traceback  # the console gets it from the interpreter, after this exit
+
+            self._file.write("".join(traceback.format_exception(kind, exc, tb)))
+        self._file.close()
+
+
+def _plot_tool_calls(ax: Any, rows: list[dict[str, Any]], evals: list[dict[str, Any]]) -> None:
+    """Tool calls (Search-R1: searches) per episode over the RL steps; the held-out stages'
+    means in the legend."""
+    pts = [(r.get("global_step", r["step"]), r["tool_calls/mean"]) for r in rows
+           if r.get("phase") == "rl" and r.get("tool_calls/mean") is not None]
+    held = ", ".join(f"{e['stage']} {e['tool_calls_mean']:.2f}" for e in evals
+                     if e.get("tool_calls_mean") is not None)
+    if pts:
+        ax.plot(*zip(*pts), color="tab:orange", label="rollouts")
+    if held:
+        ax.plot([], [], " ", label=f"held-out: {held}")
+    ax.set_title("tool calls (searches) per episode")
+    ax.set_xlabel("step")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(loc="best", fontsize=8)
+
+
 def plot_curves(run: RunDir) -> Path | None:
-    """``curves.png``: reward, response length and loss per step, eval success per stage."""
+    """``curves.png``: reward, response length and loss per step, eval success per stage, tool
+    calls per episode."""
     rows = run.read_jsonl("metrics.jsonl")
     if not rows:
         return None
@@ -136,7 +330,7 @@ def plot_curves(run: RunDir) -> Path | None:
     import matplotlib.pyplot as plt
 
     evals = run.read_jsonl("eval.jsonl")
-    fig, axes = plt.subplots(1, 4, figsize=(18, 3.8))
+    fig, axes = plt.subplots(1, 5, figsize=(22, 3.8))
     for phase, colour in (("sft", "tab:gray"), ("rl", "tab:blue"), ("dpo", "tab:purple")):
         pts = [r for r in rows if r.get("phase") == phase]
         if not pts:
@@ -157,6 +351,7 @@ def plot_curves(run: RunDir) -> Path | None:
         axes[3].set_ylim(0, 1)
         axes[3].set_title("held-out success rate")
         axes[3].tick_params(axis="x", rotation=45)
+    _plot_tool_calls(axes[4], rows, evals)
     fig.tight_layout()
     out = run.root / "curves.png"
     fig.savefig(out, dpi=90)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 
+import numpy as np
 import pytest
 
 from palaestra.agents import make_agent
@@ -156,3 +157,37 @@ def test_scripted_engine_is_deterministic_per_seed(policy):
     ids = [1, 2, 3]
     a = policy(ids, random.Random(5))
     assert a == policy(ids, random.Random(5))
+
+
+class FixedReward:
+    """The calculator env, but every step's reward is ``reward`` (whatever its type)."""
+
+    def __init__(self, reward):
+        self.env = make("palaestra/Calculator-v0")
+        self.reward = reward
+
+    async def areset(self, **kwargs):
+        return await self.env.areset(**kwargs)
+
+    async def astep(self, action):
+        obs, _, terminated, truncated, info = await self.env.astep(action)
+        return obs, self.reward, terminated, truncated, info
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), -float("inf"), "1.0", None,
+                                    [1.0]], ids=repr)
+async def test_a_reward_that_is_not_a_finite_number_fails_the_episode(policy, agent, reward):
+    traj = await run_episode(FixedReward(reward), agent, ScriptedEngine(policy), SamplingParams(),
+                             task=TASK)
+    assert traj.failed and traj.stop_reason is StopReason.ERROR
+    assert traj.error.startswith(f"env.step: reward {reward!r} ({type(reward).__name__}) on turn 0")
+    assert "is not a finite number" in traj.error
+    assert traj.turns == () and traj.reward == 0.0  # the bad value reaches no sum
+
+
+@pytest.mark.parametrize("reward", [1, True, np.float32(0.5), np.int64(2)], ids=repr)
+async def test_numeric_rewards_of_any_type_are_floats(policy, agent, reward):
+    traj = await run_episode(FixedReward(reward), agent, ScriptedEngine(policy), SamplingParams(),
+                             task=TASK)
+    assert not traj.failed and traj.turns[0].reward == float(reward)
+    assert type(traj.turns[0].reward) is float

@@ -18,10 +18,11 @@ from palaestra.types import StopReason
 pytestmark = pytest.mark.timeout(300)
 
 
-def manager(pool, tokenizer_dir, rows, *, wc=None, seed=0, **cfg) -> RolloutManager:
+def manager(pool, tokenizer_dir, rows, *, wc=None, seed=0, exact=False, **cfg) -> RolloutManager:
     cfg.setdefault("num_workers", 2)
     return RolloutManager(DataSource(rows, seed=seed, epochs=None),
-                          wc or worker_config(tokenizer_dir), RolloutConfig(**cfg), pool=pool)
+                          wc or worker_config(tokenizer_dir), RolloutConfig(**cfg), pool=pool,
+                          exact=exact)
 
 
 def check_ledger(metrics):
@@ -121,23 +122,93 @@ async def test_dynamic_sampling_gives_up_at_the_draw_cap(ray_pool, tokenizer_dir
         assert m._step.counters["groups/drawn"] == 12  # the cap: 4 x 3 draws, no more
 
 
-async def test_partial_rollout_resumes_parked_groups_from_their_tokens(ray_pool, tokenizer_dir):
-    wc = worker_config(tokenizer_dir, latency_s=0.5)
-    async with manager(ray_pool, tokenizer_dir, calc_rows(50), wc=wc, batch_size=4, group_size=2,
-                       over_sampling=3.0, max_staleness=1) as m:
-        first = await m.generate_batch(0)  # sync mode: over-sampled groups are parked
-        assert first.metrics["groups/parked"] > 0 and first.metrics["episodes/parked"] > 0
-        parked = first.metrics["groups/in_flight"]
-        assert parked > 0
+class StallingEngine:
+    """The scripted calculator engine, except that the first request of every episode of the
+    groups drawn after the first ``fast_groups`` waits until it is aborted, then returns half
+    of its tokens (finish reason ``abort``); the session's next request returns the rest. The
+    park point is thus fixed, not timing: what partial rollout does with it can be checked."""
+
+    def __init__(self, tokenizer_dir: str, fast_groups: int) -> None:
+        from palaestra.rollout.engines.scripted import ScriptedEngine
+
+        self.inner = ScriptedEngine(CalculatorPolicy(tokenizer_dir))
+        self.fast_groups = fast_groups
+        self._waiting: dict[str, asyncio.Event] = {}
+        self._rest: dict[str, tuple[int, ...]] = {}
+        self._stalled: set[str] = set()
+
+    @property
+    def weight_version(self) -> int:
+        return self.inner.weight_version
+
+    async def generate(self, input_ids, sampling, *, request_id=None, session_id=None):
+        from palaestra.rollout.engines.base import Generation
+
+        version = self.inner.weight_version
+        if session_id in self._rest:  # the continuation of an aborted request
+            rest = self._rest.pop(session_id)
+            prev, logprobs = input_ids[-1], []
+            for t in rest:
+                logprobs.append(scripted_logprob(prev, t))
+                prev = t
+            return Generation(rest, tuple(logprobs), "stop", weight_version=version)
+        full = await self.inner.generate(input_ids, sampling, request_id=request_id)
+        group = int(str(session_id).split("/")[0].removeprefix("g"))
+        if group <= self.fast_groups or session_id in self._stalled:
+            return full
+        self._stalled.add(session_id)
+        event = self._waiting[request_id] = asyncio.Event()
+        await event.wait()
+        del self._waiting[request_id]
+        half = len(full.token_ids) // 2
+        self._rest[session_id] = full.token_ids[half:]
+        return Generation(full.token_ids[:half], full.logprobs[:half], "abort",
+                          weight_version=version)
+
+    async def abort(self, request_ids=None):
+        for rid in list(self._waiting) if request_ids is None else request_ids:
+            if rid in self._waiting:
+                self._waiting[rid].set()
+
+    async def pause(self):
+        await self.abort()
+
+    async def resume(self):
+        pass
+
+    async def update_weights(self, state_dict=None, *, path=None, version=None):
+        await self.inner.update_weights(state_dict, path=path, version=version)
+
+    async def flush_cache(self):
+        pass
+
+    async def health(self):
+        return True
+
+    async def close(self):
+        await self.abort()
+
+
+async def test_partial_rollout_resumes_parked_groups_from_their_tokens(tokenizer_dir):
+    engine = StallingEngine(tokenizer_dir, fast_groups=4)
+    m = RolloutManager(DataSource(calc_rows(50), epochs=None), worker_config(tokenizer_dir),
+                       RolloutConfig(batch_size=4, group_size=2, over_sampling=3.0,
+                                     max_staleness=1, num_workers=1),
+                       cluster="local", engine=engine)
+    async with m:
+        first = await m.generate_batch(0)  # sync mode: the over-sampled groups are parked
+        assert first.group_ids == ["g1", "g2", "g3", "g4"]
+        assert first.metrics["groups/parked"] == first.metrics["groups/in_flight"] == 8
+        assert first.metrics["episodes/parked"] == 16
         await m.update_weights()  # v1: parked groups go on from their tokens
         second = await m.generate_batch(1)
-    assert second.metrics["episodes/resumed"] > 0
-    mixed = [s for s in second.samples
-             if {v for v, k in zip(s.versions_T, s.loss_mask_T) if k} == {0, 1}]
-    assert mixed, "some resumed sample was sampled partly by v0 and partly by v1"
+    assert second.group_ids == ["g5", "g6", "g7", "g8"]  # the oldest parked groups first
+    assert second.metrics["episodes/resumed"] == 16
     policy = CalculatorPolicy(tokenizer_dir)
-    for s in mixed:  # and its tokens are what one uninterrupted generation would have given
+    for s in second.samples:  # each sampled partly by v0 and partly by v1
+        assert {v for v, k in zip(s.versions_T, s.loss_mask_T) if k} == {0, 1}
         assert s.stop_reason is StopReason.TERMINATED
+        # and its tokens are what one uninterrupted generation would have given
         assert all(s.logprobs_T[i] == scripted_logprob(s.token_ids_T[i - 1], s.token_ids_T[i])
                    for i in range(1, s.num_tokens) if s.loss_mask_T[i])
         turn = [i for i in range(s.prompt_len, s.turn_ends[0]) if s.loss_mask_T[i]]
@@ -145,6 +216,47 @@ async def test_partial_rollout_resumes_parked_groups_from_their_tokens(ray_pool,
                                                          random.Random(0))
     assert max(second.version - s.min_version for s in second.samples) <= 1
     check_ledger(second.metrics)
+
+
+def _batches(pool, tokenizer_dir, *, exact, steps=3, **cfg):
+    """Token ids of ``steps`` batches (filter any_success: some groups are dropped and redrawn)."""
+    async def play():
+        out = []
+        m = manager(pool, tokenizer_dir, calc_rows(200), batch_size=4, group_size=2,
+                    filters=("any_success",), over_sampling=3.0, exact=exact, **cfg)
+        async with m:
+            for step in range(steps):
+                batch = await m.generate_batch(step)
+                if exact:  # nothing was drawn ahead: nothing is left in flight
+                    assert batch.metrics["groups/in_flight"] == 0
+                    assert batch.metrics.get("groups/ready_carried", 0) == 0
+                out.append([s.token_ids_T for s in batch.samples])
+                await m.update_weights()
+        return out
+    return play()
+
+
+async def test_exact_batches_do_not_depend_on_timing_or_workers(ray_pool, tokenizer_dir):
+    """Two Ray workers with a slow engine vs one in-process worker with an instant one: the
+    episodes finish in other orders, the batches are the same, sample for sample."""
+    from palaestra.rollout import WorkerPool
+
+    slow = await _batches(ray_pool, tokenizer_dir, exact=True,
+                          wc=worker_config(tokenizer_dir, latency_s=0.02))
+    local = WorkerPool(worker_config(tokenizer_dir), 1, cluster="local")
+    try:
+        fast = await _batches(local, tokenizer_dir, exact=True, num_workers=1)
+    finally:
+        await local.close()
+    assert slow == fast
+
+
+def test_exact_batches_need_sync_mode(tokenizer_dir):
+    from palaestra.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="exact batches need mode='sync'"):
+        RolloutManager(DataSource(calc_rows(4)), worker_config(tokenizer_dir),
+                       RolloutConfig(mode="async"), cluster="local", exact=True)
 
 
 @pytest.mark.parametrize("bound", [0, 1])

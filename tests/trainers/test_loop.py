@@ -397,3 +397,28 @@ def test_dpo_run_learns_the_preference_and_exports(tmp_path, micro_model):
     assert dpo[-1]["loss"] < dpo[0]["loss"] < 0.7  # log(2) at the start: policy == reference
     assert dpo[-1]["train/dpo/reward_margin"] > 0
     assert (run / "final-model" / "config.json").exists()
+
+
+def test_a_step_with_non_finite_gradients_is_counted_as_skipped(micro_model):
+    import torch
+
+    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.batching import TrainBatch
+    from palaestra.trainers.loop import _update_skipped
+    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+
+    torch.set_num_threads(1)
+    backend = TorchBackend(micro_model, TorchBackendConfig(device="cpu", lr=0.01))
+
+    def batch(advantage: float) -> TrainBatch:
+        ids = [torch.arange(10, 20), torch.arange(30, 36)]
+        masks = [torch.tensor([0.0] * 3 + [1.0] * (len(t) - 3)) for t in ids]
+        return TrainBatch(token_ids=ids, loss_mask=masks, group_ids=["a", "a"],
+                          advantages=[m * advantage for m in masks])
+
+    before = {k: v.clone() for k, v in backend.model.state_dict().items()}
+    metrics = backend.train_step(batch(float("nan")), LossConfig(preset="grpo"))
+    assert _update_skipped(metrics)  # the backend skipped the optimizer step: the loop counts it
+    assert all(torch.equal(before[k], v) for k, v in backend.model.state_dict().items())
+    assert not _update_skipped(backend.train_step(batch(1.0), LossConfig(preset="grpo")))
+    assert _update_skipped({"grad_norm": 0.5, "update_ok": 0.0})  # Megatron's report
