@@ -12,6 +12,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     sub.add_parser("list", help="registered envs with their description and tools")
     check = sub.add_parser("check", help="gymnasium's check_env plus palaestra's own checks")
     check.add_argument("ids", nargs="*", help="env ids (default: every palaestra env)")
+    check.add_argument("--kwargs", default="{}",
+                       help='env kwargs as JSON, e.g. \'{"url": "http://127.0.0.1:8000"}\' for '
+                            "ecosystem/OpenEnv-v0")
     play = sub.add_parser("play", help="type the assistant turns yourself")
     play.add_argument("id", help="env id, e.g. palaestra/Calculator-v0")
     play.add_argument("--seed", type=int, default=0)
@@ -26,14 +29,19 @@ def run(args: argparse.Namespace) -> int:
             info = envs.describe(env_id)
             tools = ", ".join(info.tools) or "-"
             text = info.description if info.error is None else f"(unavailable: {info.error})"
-            print(f"{env_id:34s} tools: {tools:24s} {text}")
+            print(f"{env_id:34s} source: {_source(env_id):9s} tools: {tools:24s} {text}")
+        from palaestra.envs.ecosystem import ECOSYSTEM_ENVS
+
+        for env_id in ECOSYSTEM_ENVS:  # adapters: they need arguments before they can list tools
+            print(f"{env_id:34s} source: {_source(env_id):9s} adapter, needs {_NEEDS[env_id]}")
         return 0
     if args.action == "check":
         from palaestra.envs.checks import check_env_id
 
+        kwargs = json.loads(args.kwargs)
         failed = 0
         for env_id in args.ids or envs.palaestra_env_ids():
-            report = check_env_id(env_id)
+            report = check_env_id(_with_kwargs(env_id, kwargs) if kwargs else env_id)
             status = "ok" if report.ok else "FAILED"
             print(f"{env_id}: {status} ({len(report.passed)}/{len(report.passed) + len(report.failed)})")
             for name, why in report.failed.items():
@@ -41,6 +49,36 @@ def run(args: argparse.Namespace) -> int:
             failed += not report.ok
         return 1 if failed else 0
     return _play(args.id, args.seed, json.loads(args.kwargs))
+
+
+_NEEDS = {"ecosystem/OpenEnv-v0": "url=", "ecosystem/Verifiers-v0": "taskset_id= or taskset="}
+
+
+def _source(env_id: str) -> str:
+    """Where an env comes from: native, or the ecosystem protocol it adapts (mcp, openenv...)."""
+    import gymnasium
+
+    spec = gymnasium.registry.get(env_id)
+    entry = str(spec.entry_point) if spec is not None else ""
+    if ".ecosystem." not in entry:
+        return "native"
+    module = entry.split(".ecosystem.", 1)[1].split(":", 1)[0]
+    return {"mcp_env": "mcp", "notes": "mcp", "openenv_env": "openenv",
+            "verifiers_env": "verifiers"}.get(module, module)
+
+
+def _with_kwargs(env_id: str, kwargs: dict[str, Any]) -> str:
+    """A private id for ``env_id`` with ``kwargs`` as defaults, so every check builds it so."""
+    import gymnasium
+
+    import palaestra.envs.ecosystem  # noqa: F401 - registers the adapters (ecosystem/...)
+    from palaestra.envs.registry import register
+
+    spec = gymnasium.spec(env_id)
+    check_id = f"palaestra-check/{spec.name}-v{spec.version or 0}"
+    gymnasium.registry.pop(check_id, None)
+    register(check_id, spec.entry_point, **{**spec.kwargs, **kwargs})
+    return check_id
 
 
 def _play(env_id: str, seed: int, kwargs: dict[str, Any]) -> int:

@@ -30,6 +30,8 @@ BUILTIN_ENVS: dict[str, str] = {
     "palaestra/Taxi-v0": "palaestra.envs.games:TaxiTextEnv",
     "palaestra/CliffWalking-v0": "palaestra.envs.games:CliffWalkingTextEnv",
     "palaestra/Blackjack-v0": "palaestra.envs.games:BlackjackTextEnv",
+    "palaestra/MCP-v0": "palaestra.envs.ecosystem.mcp_env:MCPEnv",
+    "palaestra/MCPNotes-v0": "palaestra.envs.ecosystem.notes:NotesEnv",
 }
 
 

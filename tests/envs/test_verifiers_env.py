@@ -1,0 +1,142 @@
+"""`VerifiersEnv` against a verifiers (v1) taskset built here from verifiers' own classes
+(`TaskData`, `Task` with `@vf.reward` functions, `Taskset`): its prompts, its weighted rewards,
+seeding and explicit task rows, and the palaestra checks and rollout path on top."""
+
+from __future__ import annotations
+
+import pytest
+
+vf = pytest.importorskip("verifiers.v1")
+
+from palaestra.envs.ecosystem.verifiers_env import VerifiersEnv
+
+ROWS = [("What is 2 + 2?", "4"), ("What is 3 * 5?", "15"), ("Capital of France?", "Paris")]
+
+
+class QAData(vf.TaskData):
+    answer: str
+
+
+class QATask(vf.Task[QAData, vf.State, vf.TaskConfig]):
+    @vf.reward(weight=0.8)
+    async def correct(self, trace) -> float:
+        return float(self.data.answer.lower() in (trace.messages[-1].content or "").lower())
+
+    @vf.reward(weight=0.2)
+    async def brief(self, trace) -> float:
+        return float(len(trace.messages[-1].content or "") <= 20)
+
+
+class QATaskset(vf.Taskset[QATask, vf.TasksetConfig]):
+    def load(self):
+        for question, answer in ROWS:
+            yield QATask(QAData(prompt=question, answer=answer, system_prompt="Answer briefly."),
+                         self.config.task)
+
+
+@pytest.fixture
+def env():
+    env = VerifiersEnv(taskset=QATaskset(vf.TasksetConfig()))
+    yield env
+    env.close()
+
+
+def test_prompts_and_weighted_rubric(env):
+    obs, _ = env.reset(options={"task": env.dataset[1]})
+    assert [(m.role, m.content) for m in obs] == [("system", "Answer briefly."),
+                                                  ("user", "What is 3 * 5?")]
+    _, reward, terminated, _, step_info = env.step("15")
+    assert terminated and reward == pytest.approx(1.0)
+    assert step_info["rewards"] == {"correct": 1.0, "brief": 1.0}
+    env.reset(options={"task": env.dataset[1]})
+    _, reward, *_ , step_info = env.step("I am not sure, but it might be 14 or so.")
+    assert reward == pytest.approx(0.0) and step_info["rewards"] == {"correct": 0.0, "brief": 0.0}
+    env.reset(options={"task": env.dataset[2]})
+    _, reward, *_ = env.step("It is Paris, the capital city of France.")
+    assert reward == pytest.approx(0.8)  # right but not brief
+
+
+def test_seeds_rows_and_checks(env):
+    a, _ = env.reset(seed=3)
+    b, _ = VerifiersEnv(taskset=QATaskset(vf.TasksetConfig())).reset(seed=3)
+    assert a == b
+    # an explicit row without the index: a task of the taskset's type built from its data
+    obs, _ = env.reset(options={"task": {"prompt": "What is 6 * 7?", "answer": "42"}})
+    assert obs[-1].content == "What is 6 * 7?"
+    assert env.step("42")[1] == pytest.approx(1.0)
+    from gymnasium.utils.env_checker import check_env
+
+    check_env(env, skip_render_check=True)
+    env.reset(seed=0)
+    child = env.fork()
+    env.step("branch one")
+    assert child.turn == 0 and not child.done
+
+
+async def test_through_the_rollout_path(tmp_path):
+    from palaestra.agents import make_agent
+    from palaestra.rollout import run_episode
+    from palaestra.rollout.engines.base import SamplingParams
+    from palaestra.rollout.engines.scripted import ScriptedEngine
+    from palaestra.tiny_model import build_model
+    from palaestra.types import StopReason
+
+    model = build_model(tmp_path / "model", "micro")
+    agent = make_agent(str(model), "qwen", max_context=512)
+    tok = agent.tokenizer
+    engine = ScriptedEngine([*tok.encode("Paris", add_special_tokens=False),
+                             tok.convert_tokens_to_ids("<|im_end|>")])
+    env = VerifiersEnv(taskset=QATaskset(vf.TasksetConfig()))
+    traj = await run_episode(env, agent, engine, SamplingParams(max_new_tokens=16),
+                             task=env.dataset[2])
+    assert traj.error is None and traj.stop_reason is StopReason.TERMINATED
+    assert traj.reward == pytest.approx(1.0) and traj.samples[0].num_sampled > 0
+
+
+def test_bad_arguments_say_how_to_fix():
+    from palaestra.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="taskset"):
+        VerifiersEnv()
+    with pytest.raises(ConfigError, match="verifiers.v1.Taskset"):
+        VerifiersEnv(taskset=[1, 2])
+
+
+TASKSET_MODULE = '''
+"""An installed verifiers taskset, as a package exports one (its Taskset subclass in __all__)."""
+import verifiers.v1 as vf
+
+
+class EchoData(vf.TaskData):
+    word: str
+
+
+class EchoTask(vf.Task[EchoData, vf.State, vf.TaskConfig]):
+    @vf.reward
+    async def echoed(self, trace) -> float:
+        return float(trace.messages[-1].content.strip() == self.data.word)
+
+
+class EchoTaskset(vf.Taskset[EchoTask, vf.TasksetConfig]):
+    def load(self):
+        for word in ("alpha", "beta", "gamma"):
+            yield EchoTask(EchoData(prompt=f"Repeat exactly: {word}", word=word), self.config.task)
+
+
+__all__ = ["EchoTaskset"]
+'''
+
+
+def test_an_installed_taskset_by_id(tmp_path, monkeypatch):
+    from palaestra.envs import make
+
+    (tmp_path / "echo_words.py").write_text(TASKSET_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make("palaestra.envs.ecosystem:ecosystem/Verifiers-v0", taskset_id="echo-words")
+    assert env.source == "verifiers:echo-words" and len(env.dataset) == 3
+    obs, _ = env.reset(options={"task": env.dataset[1]})
+    assert obs[-1].content == "Repeat exactly: beta"
+    assert env.step("beta")[1] == 1.0
+    env.reset(options={"task": env.dataset[1]})
+    assert env.step("alpha")[1] == 0.0
+    env.close()
