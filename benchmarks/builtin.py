@@ -26,6 +26,22 @@ def _source(name: str) -> Any:
 
 _SEARCH_R1_AGENT = {"family": "search_r1"}
 
+#: env kwargs of the search quickstart (configs/search_r1_quickstart.toml trains with the same);
+#: paths are relative to the repository root, where the quickstart runs
+SEARCH_QUICKSTART_ENV_KWARGS = {
+    "retriever": "bm25",
+    "corpus": "data/search_quickstart/corpus.jsonl",
+    "topk": 3,
+    "max_turns": 3,
+    "prompt_template": "Search: <search> number </search>. Answer: <answer> town </answer>.\n"
+                       "Question: {question}\n",
+}
+
+
+def _held_out(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The search quickstart's held-out questions (the file's last rows, never trained on)."""
+    return [r for r in rows if r.get("split") == "heldout"]
+
 
 def _search_r1(name: str, dataset: str, description: str, **extra: Any) -> Benchmark:
     """A Search-R1 QA benchmark: tag protocol, exact match on the <answer>."""
@@ -102,6 +118,12 @@ BUILTIN_BENCHMARKS: tuple[Benchmark, ...] = (
         "MuSiQue multi-hop questions over the shipped corpus (BM25), exact match",
         rows=_source("musique"),
     ),
+    _search_r1(
+        "search_r1_quickstart", "search_quickstart/questions.jsonl",
+        "search quickstart: 100 held-out questions about made-up people, answers only in "
+        "data/search_quickstart/corpus.jsonl (BM25), exact match",
+        rows=_held_out, env_kwargs=SEARCH_QUICKSTART_ENV_KWARGS,
+    ),
     Benchmark(
         name="calculator",
         env_id="palaestra/Calculator-v0",
@@ -118,4 +140,4 @@ BUILTIN_BENCHMARKS: tuple[Benchmark, ...] = (
     _game("cliffwalking", "CliffWalking", 50, "seeds 0..49", "goal reached"),
 )
 
-__all__ = ["BUILTIN_BENCHMARKS"]
+__all__ = ["BUILTIN_BENCHMARKS", "SEARCH_QUICKSTART_ENV_KWARGS"]

@@ -229,7 +229,9 @@ class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
             return self._finish(extract_tag(action.content, "answer"), terminated=True)
         if hits is not None:
             self.searches += 1
-            info = {"search_query": parsed[1] if parsed else "", "searches": self.searches}
+            # "tool_calls" as ToolEnv reports it: the rollout metrics count searches per episode
+            info = {"search_query": parsed[1] if parsed else "", "searches": self.searches,
+                    "tool_calls": 1}
             content = f"<information>{format_hits(hits)}</information>"
             return StepResult(observation=[Message(role="user", content=content)], info=info)
         if last_turn:  # a search (or nothing) on the last turn: out of turns, no answer
