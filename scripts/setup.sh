@@ -48,6 +48,6 @@ if [ -z "${PALAESTRA_SETUP_FORCE:-}" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
 "$VENV/bin/python" -m pip install -q "torch==2.13.0" || "$VENV/bin/python" -m pip install -q "torch>=2.4"
-"$VENV/bin/python" -m pip install -q -e ".[ray,docker,sandbox,data,dev]"
+"$VENV/bin/python" -m pip install -q -e ".[ray,docker,sandbox,data,mcp,dev]"
 echo "$want" >"$STAMP"
 echo "palaestra installed in $VENV (activate with: source $VENV/bin/activate)"

@@ -50,6 +50,13 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"palaestra train: {exc}", file=sys.stderr)
         return 2
+    from palaestra.trainers.loop import check_run_dir  # light: imports no torch
+
+    try:  # a run directory with other fixed settings is refused before any work
+        check_run_dir(cfg)
+    except ConfigError as exc:
+        print(f"palaestra train: {exc}", file=sys.stderr)
+        return 2
     if args.dry_run:
         from palaestra.trainers.dry_run import describe_plan
 
@@ -61,7 +68,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from palaestra.trainers.loop import train
 
-    result = train(cfg)
+    try:
+        result = train(cfg)
+    except ConfigError as exc:  # a user error found only once the run starts
+        print(f"palaestra train: {exc}", file=sys.stderr)
+        return 2
     if result:
         print("held-out success rate by stage: "
               + ", ".join(f"{k}={v:.3f}" for k, v in result.items()))

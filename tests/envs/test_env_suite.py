@@ -13,7 +13,9 @@ from palaestra.envs.math import gsm8k_gold
 from palaestra.envs.search import shared_bm25
 from palaestra.types import Message, ToolCall
 
-ENV_IDS = sorted(i for i in BUILTIN_ENVS if i != "palaestra/Calculator-v0")
+# the MCP envs start a tool-server process per episode: tests/envs/test_mcp_env.py plays them
+ENV_IDS = sorted(i for i in BUILTIN_ENVS
+                 if i != "palaestra/Calculator-v0" and not i.startswith("palaestra/MCP"))
 
 
 @pytest.fixture(scope="module")
