@@ -121,6 +121,10 @@ def describe(env_id: str) -> EnvInfo:
     except Exception as exc:  # show unusable envs in the listing with the reason
         return EnvInfo(env_id, "", (), error=f"{type(exc).__name__}: {exc}")
     doc = (type(env).__doc__ or "").strip().splitlines()
-    tools = tuple(t["function"]["name"] for t in env.tool_schemas())
-    env.close()
+    try:  # an adapter discovers its tools from a server, which may fail to start here
+        tools = tuple(t["function"]["name"] for t in env.tool_schemas())
+    except Exception as exc:
+        return EnvInfo(env_id, doc[0] if doc else "", (), error=f"{type(exc).__name__}: {exc}")
+    finally:
+        env.close()
     return EnvInfo(env_id, doc[0] if doc else "", tools)
