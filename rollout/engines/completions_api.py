@@ -19,7 +19,6 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from palaestra.errors import EngineError
 from palaestra.rollout.engines.http_server import HEAVY_TOKENS
 from palaestra.rollout.engines.serve_requests import (
     BadRequest,
@@ -179,20 +178,12 @@ async def _stream(request: web.Request, state: ServerState, req: CompletionReque
                   stop_ids: frozenset[int]) -> web.StreamResponse:
     from aiohttp import web
 
-    from palaestra.rollout.engines.http_server import SHUTDOWN_MESSAGE
-    from palaestra.rollout.engines.openai_api import (
-        _done,
-        _visible,
-        completion_text,
-        error_event,
-        final_text,
-    )
+    from palaestra.rollout.engines.openai_api import _done, stream_text
 
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
     state.streaming.add(id(request))
-    tok = state.tokenizer
 
     async def send(text: str | None, finish: str | None,
                    usage: dict[str, Any] | None = None) -> None:
@@ -204,32 +195,13 @@ async def _stream(request: web.Request, state: ServerState, req: CompletionReque
             chunk["usage"] = usage
         await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
 
-    tokens: list[int] = []
-    sent = 0
-    final = None
-    try:
-        async for chunk in state.engine.stream(ids, params, request_id=cid):
-            tokens.extend(chunk.token_ids)
-            if chunk.generation is not None:
-                final = chunk.generation
-                break
-            text = await state.call(len(tokens) > HEAVY_TOKENS, completion_text, tok,
-                                    list(tokens), stop_ids)
-            if text.endswith("\ufffd"):
-                continue
-            visible = _visible(text, False, params.stop)
-            if len(visible) > sent:
-                await send(visible[sent:], None)
-                sent = len(visible)
-    except EngineError as exc:
-        await resp.write(error_event(str(exc), 503))
+    async def send_text(delta: str) -> None:
+        await send(delta, None)
+
+    streamed = await stream_text(state, resp, ids, params, cid, stop_ids, False, send_text)
+    if streamed is None:
         return await _done(resp)
-    assert final is not None
-    if final.finish_reason == "abort" and state.aborting:
-        await resp.write(error_event(SHUTDOWN_MESSAGE, 503, "server_shutting_down"))
-        return await _done(resp)
-    text = await state.call(len(final.token_ids) > HEAVY_TOKENS, final_text, tok, final,
-                            stop_ids)
+    final, text, sent = streamed
     await send(text[sent:] if len(text) > sent else "", final.finish_reason)
     if req.stream_options is not None and req.stream_options.include_usage:
         await send(None, None, {"prompt_tokens": len(ids),

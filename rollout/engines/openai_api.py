@@ -20,6 +20,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -283,13 +284,11 @@ async def _stream(request: web.Request, state: ServerState, req: ChatCompletionR
                   created: int, stop_ids: frozenset[int]) -> web.StreamResponse:
     from aiohttp import web
 
-    from palaestra.rollout.engines.http_server import SHUTDOWN_MESSAGE
 
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     await resp.prepare(request)
     state.streaming.add(id(request))
-    tok = state.tokenizer
 
     async def send(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> None:
         chunk: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created,
@@ -300,33 +299,15 @@ async def _stream(request: web.Request, state: ServerState, req: ChatCompletionR
 
     await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None}])
-    tokens: list[int] = []
-    sent = 0
-    final = None
-    try:
-        async for chunk in state.engine.stream(ids, params, request_id=cid):
-            tokens.extend(chunk.token_ids)
-            if chunk.generation is not None:
-                final = chunk.generation
-                break
-            text = await state.call(len(tokens) > HEAVY_TOKENS, completion_text, tok,
-                                    list(tokens), stop_ids)
-            if text.endswith("\ufffd"):
-                continue  # an incomplete UTF-8 sequence: wait for the next token
-            visible = _visible(text, parse_tools, params.stop)
-            if len(visible) > sent:
-                await send([{"index": 0, "delta": {"content": visible[sent:]}, "logprobs": None,
-                             "finish_reason": None}])
-                sent = len(visible)
-    except EngineError as exc:
-        await resp.write(error_event(str(exc), 503))
+    async def send_text(delta: str) -> None:
+        await send([{"index": 0, "delta": {"content": delta}, "logprobs": None,
+                     "finish_reason": None}])
+
+    streamed = await stream_text(state, resp, ids, params, cid, stop_ids, parse_tools,
+                                 send_text)
+    if streamed is None:
         return await _done(resp)
-    assert final is not None
-    if final.finish_reason == "abort" and state.aborting:
-        await resp.write(error_event(SHUTDOWN_MESSAGE, 503, "server_shutting_down"))
-        return await _done(resp)
-    text = await state.call(len(final.token_ids) > HEAVY_TOKENS, final_text, tok, final,
-                            stop_ids)
+    final, text, sent = streamed
     message = parse_assistant(text, parse_tools)
     delta: dict[str, Any] = {}
     content = message.get("content") or ""
@@ -342,6 +323,47 @@ async def _stream(request: web.Request, state: ServerState, req: ChatCompletionR
                  "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
         await send([], usage)
     return await _done(resp)
+
+
+async def stream_text(
+    state: ServerState, resp: web.StreamResponse, ids: list[int], params: SamplingParams,
+    cid: str, stop_ids: frozenset[int], parse_tools: bool,
+    send_text: Callable[[str], Awaitable[None]],
+) -> tuple[Generation, str, int] | None:
+    """Decode a streamed generation and pass each new piece of its visible text to
+    ``send_text``; returns the final generation, its whole text and how many characters were
+    sent. On an engine error or a shutdown abort it writes the error event and returns None
+    (the caller then ends the stream with `_done`)."""
+    from palaestra.rollout.engines.http_server import SHUTDOWN_MESSAGE
+
+    tok = state.tokenizer
+    tokens: list[int] = []
+    sent = 0
+    final = None
+    try:
+        async for chunk in state.engine.stream(ids, params, request_id=cid):
+            tokens.extend(chunk.token_ids)
+            if chunk.generation is not None:
+                final = chunk.generation
+                break
+            text = await state.call(len(tokens) > HEAVY_TOKENS, completion_text, tok,
+                                    list(tokens), stop_ids)
+            if text.endswith("\ufffd"):
+                continue  # an incomplete UTF-8 sequence: wait for the next token
+            visible = _visible(text, parse_tools, params.stop)
+            if len(visible) > sent:
+                await send_text(visible[sent:])
+                sent = len(visible)
+    except EngineError as exc:
+        await resp.write(error_event(str(exc), 503))
+        return None
+    assert final is not None
+    if final.finish_reason == "abort" and state.aborting:
+        await resp.write(error_event(SHUTDOWN_MESSAGE, 503, "server_shutting_down"))
+        return None
+    text = await state.call(len(final.token_ids) > HEAVY_TOKENS, final_text, tok, final,
+                            stop_ids)
+    return final, text, sent
 
 
 async def _done(resp: web.StreamResponse) -> web.StreamResponse:
