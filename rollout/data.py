@@ -125,7 +125,8 @@ def _task_key(row: Mapping[str, Any]) -> tuple[Any, str]:
     return env_id, task_id_of(task)
 
 
-def _load_hf_folder(path: Path, split: str) -> list[dict[str, Any]]:
+def open_hf_folder(path: Path, split: str) -> Any:
+    """The ``split`` of a folder written by datasets' ``save_to_disk`` (a ``datasets.Dataset``)."""
     try:
         import datasets
     except ImportError as exc:
@@ -133,9 +134,14 @@ def _load_hf_folder(path: Path, split: str) -> list[dict[str, Any]]:
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):
         if split not in ds:
-            raise ConfigError(f"{path} has splits {sorted(ds)}; choose one with split=...")
+            raise ConfigError(f"{path} has splits {sorted(ds)} and no {split!r}; "
+                              "choose one with split=...")
         ds = ds[split]
-    return ds.to_list()
+    return ds
+
+
+def _load_hf_folder(path: Path, split: str) -> list[dict[str, Any]]:
+    return open_hf_folder(path, split).to_list()
 
 
 class DataSource:

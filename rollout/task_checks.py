@@ -184,15 +184,9 @@ def _head(path: Path, limit: int, split: str) -> tuple[int, list[Any]]:
         if not any((path / f).is_file() for f in ("dataset_dict.json", "state.json")):
             raise ConfigError(f"{str(path)!r} is a folder but not one written by datasets' "
                               "save_to_disk; point at a .jsonl/.json/.parquet file or such a folder")
-        try:
-            import datasets
-        except ImportError as exc:
-            raise ConfigError(f"{path} is a folder; reading it needs: pip install datasets") from exc
-        ds = datasets.load_from_disk(str(path))
-        if isinstance(ds, datasets.DatasetDict):
-            if split not in ds:
-                raise ConfigError(f"{path} has splits {sorted(ds)} and no {split!r}")
-            ds = ds[split]
+        from palaestra.rollout.data import open_hf_folder
+
+        ds = open_hf_folder(path, split)
         return ds.num_rows, ds.select(range(min(limit, ds.num_rows))).to_list()
     from palaestra.rollout.data import load_rows
 
