@@ -110,15 +110,9 @@ class RetrieverServer:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Terminate the server's process group (idempotent)."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        from palaestra.processes import terminate_process_group
+
+        terminate_process_group(self.proc, grace_s)
 
 
 # ------------------------------------------------------------------------ the child's side

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import importlib.util
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -396,15 +395,9 @@ class ServerProcess:
                           f"log tail:\n{self.log_tail()}")
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
+        from palaestra.processes import terminate_process_group
+
+        terminate_process_group(self.proc, grace_s)
         if self._log is not subprocess.DEVNULL:
             self._log.close()  # type: ignore[union-attr]
 
