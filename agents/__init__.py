@@ -1,7 +1,8 @@
 """Agents: the token level of an episode (conversation -> exact training token ids).
 
-`Agent` keeps the running token ids of one episode (sampled tokens appended exactly, environment
-messages appended as chat-template deltas), parses each turn with its family's parser, checks
+`Agent` keeps the running token ids of one episode in a `TokenTranscript` (sampled tokens
+appended exactly, environment messages appended as chat-template deltas computed by
+`ChatTemplate`, which the agent gateway uses too), parses each turn with its family's parser, checks
 token drift against a full re-render, and emits the `Sample`. `make_agent` and `AgentSpec` build
 agents from a tokenizer path and a family name (``qwen``, ``llama3``, ``search_r1``, ``python``).
 
@@ -15,12 +16,15 @@ from palaestra.agents.llama import Llama3Parser
 from palaestra.agents.parsing import Parser, split_reasoning
 from palaestra.agents.renderers import FAMILIES, Renderer, get_renderer
 from palaestra.agents.spec import AgentSpec, load_tokenizer, make_agent
+from palaestra.agents.templating import ChatTemplate, TemplateDelta, TemplateDeltaError
 from palaestra.agents.text_protocols import PythonBlockParser, SearchR1Parser, extract_answer
+from palaestra.agents.transcript import TokenTranscript
 
 __all__ = [
     "FAMILIES",
     "Agent",
     "AgentSpec",
+    "ChatTemplate",
     "DriftReport",
     "HermesParser",
     "Llama3Parser",
@@ -28,6 +32,9 @@ __all__ = [
     "PythonBlockParser",
     "Renderer",
     "SearchR1Parser",
+    "TemplateDelta",
+    "TemplateDeltaError",
+    "TokenTranscript",
     "TurnMarks",
     "compare_ids",
     "extract_answer",

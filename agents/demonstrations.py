@@ -11,22 +11,12 @@ turn boundaries and closing tokens as an RL episode of the same conversation.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from palaestra.agents.agent import Agent
+from palaestra.engine import Generation
 from palaestra.errors import ConfigError
 from palaestra.types import Message, Sample, StopReason, as_message
-
-
-@dataclass(frozen=True)
-class _Replayed:
-    """Stand-in for an engine `Generation` (agents sit below the engines in the layering)."""
-
-    token_ids: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    finish_reason: str = "stop"
-    weight_version: int = -1
 
 
 def _assistant_turn_ids(agent: Agent, message: Message) -> tuple[int, ...]:
@@ -77,7 +67,7 @@ def demonstration_to_sample(
                     break  # over the context limit: keep what fits
                 pending = []
             ids = _assistant_turn_ids(agent, message)
-            agent.on_generation(_Replayed(ids, (0.0,) * len(ids)))
+            agent.on_generation(Generation(ids, (0.0,) * len(ids), "stop", weight_version=-1))
         else:
             pending.append(message)
     return agent.to_sample(

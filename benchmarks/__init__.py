@@ -9,6 +9,8 @@ Performance benchmarks of the framework itself live in ``benchmarks/perf/`` (scr
 this package's API).
 """
 
+from typing import TYPE_CHECKING
+
 from palaestra.benchmarks.metrics import maj_at_k, pass_at_k, task_metrics
 from palaestra.benchmarks.registry import (
     Benchmark,
@@ -18,6 +20,11 @@ from palaestra.benchmarks.registry import (
     register_benchmark,
     unregister_benchmark,
 )
+
+if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr__` loads them
+    from palaestra.benchmarks.runner import EvalSettings as EvalSettings
+    from palaestra.benchmarks.runner import evaluate as evaluate
+    from palaestra.benchmarks.training import TrainingEvaluator as TrainingEvaluator
 
 __all__ = [
     "Benchmark",

@@ -1,11 +1,12 @@
 """Policies the harness evaluates: a token-level engine with agents, or a chat API model.
 
 - `TokenPolicy`: any `Engine` (embedded `LocalEngine`, `SGLangEngine`/`Router` over HTTP, a
-  scripted engine in tests) plus the agent of each benchmark's family, played through
-  `palaestra.rollout.run_episode`, the loop training uses, so parsers and rewards are the same.
+  scripted engine in tests) plus the agent of each benchmark's family, as a `TokenPlayer`;
 - `ChatPolicy`: a `ChatModel` (`palaestra.benchmarks.openai_chat.OpenAIChat` for an
-  OpenAI-compatible endpoint), played through the message-level loop of
-  `palaestra.benchmarks.chat_episode`.
+  OpenAI-compatible endpoint), as a message-level `ChatPlayer`.
+
+Both play through `palaestra.rollout.episode.play_episode`, the loop training uses, so parsers,
+rewards, limits and stop reasons are the same.
 
 Remote token-level engines go through `RetryingEngine`, which spaces requests under a rate limit
 and retries HTTP 429/5xx and dropped connections with backoff (`OpenAIChat` does the same).
@@ -17,15 +18,16 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from palaestra.benchmarks.chat_episode import ChatModel, run_chat_episode
+from palaestra.benchmarks.chat_episode import ChatModel, ChatPlayer
 from palaestra.benchmarks.limits import RateLimiter, describe_retry, with_retries
 from palaestra.benchmarks.registry import Benchmark
+from palaestra.engine import Engine, Generation, SamplingParams
 from palaestra.errors import EngineError
-from palaestra.rollout.engines.base import Generation, SamplingParams
+from palaestra.rollout.episode import play_episode
 from palaestra.types import Trajectory
 
 if TYPE_CHECKING:
-    from palaestra.benchmarks.runner import EpisodeRequest
+    from palaestra.benchmarks.runner import SampleRequest
 
 
 class RetryingEngine:
@@ -33,7 +35,7 @@ class RetryingEngine:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         *,
         retries: int = 6,
         rpm: float | None = None,
@@ -80,7 +82,7 @@ class TokenPolicy:
 
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         tokenizer: Any,
         *,
         model: str,
@@ -122,14 +124,11 @@ class TokenPolicy:
         options.setdefault("enable_thinking", self.enable_thinking)
         return make_agent(self.tokenizer, family, **options)
 
-    async def play(self, env: Any, benchmark: Benchmark, request: EpisodeRequest) -> Trajectory:
-        from palaestra.rollout.episode import run_episode
+    async def play(self, env: Any, benchmark: Benchmark, request: SampleRequest) -> Trajectory:
+        from palaestra.rollout.episode import TokenPlayer
 
-        return await run_episode(
-            env, self.agent_for(benchmark), self.engine, request.sampling, seed=request.seed,
-            task=request.task, session_id=request.session_id, max_turns=request.max_turns,
-            step_timeout_s=request.step_timeout_s, env_id=benchmark.env_id,
-        )
+        player = TokenPlayer(self.agent_for(benchmark), self.engine)
+        return await play_episode(request.to_episode(env, player, env_id=benchmark.env_id))
 
     async def close(self) -> None:
         if self.owns_engine:
@@ -148,15 +147,12 @@ class ChatPolicy:
         if check is not None:
             await check()
 
-    async def play(self, env: Any, benchmark: Benchmark, request: EpisodeRequest) -> Trajectory:
+    async def play(self, env: Any, benchmark: Benchmark, request: SampleRequest) -> Trajectory:
         sampling = request.sampling
         if benchmark.chat_stop:
             sampling = replace(sampling, stop=tuple(benchmark.chat_stop))
-        return await run_chat_episode(
-            env, self.chat, sampling, seed=request.seed, task=request.task,
-            max_turns=request.max_turns, step_timeout_s=request.step_timeout_s,
-            env_id=benchmark.env_id,
-        )
+        episode = request.to_episode(env, ChatPlayer(self.chat), env_id=benchmark.env_id)
+        return await play_episode(replace(episode, sampling=sampling))
 
     async def close(self) -> None:
         close = getattr(self.chat, "close", None)

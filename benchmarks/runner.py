@@ -1,7 +1,7 @@
 """`evaluate`: benchmarks x tasks x n samples through a policy, resumable, with live progress.
 
-Every sample is one episode played by the policy (token level: `palaestra.rollout.run_episode`
-with the benchmark's agent; message level: the chat loop of `palaestra.benchmarks.chat_episode`)
+Every sample is one episode played by the policy through `palaestra.rollout.play_episode` (token
+level: a `TokenPlayer` with the benchmark's agent; message level: a chat API's `ChatPlayer`)
 against a fresh reset of a pooled env, at most ``concurrency`` at a time. A finished sample is
 appended to ``samples.jsonl`` at once; a sample whose *engine* failed (unreachable, HTTP errors
 after the retries) is not stored, so a rerun retries it, and too many of those in a row stop the
@@ -24,6 +24,7 @@ from palaestra.benchmarks.store import SampleKey, SampleStore, check_run_meta, k
 from palaestra.benchmarks.summary import summarize, write_summary
 from palaestra.errors import ConfigError, EngineError
 from palaestra.rollout.engines.base import SamplingParams
+from palaestra.rollout.episode import EpisodeRequest, Player
 from palaestra.types import StopReason, Trajectory
 
 #: Episodes that may leave their env mid-step (a timed-out step, an exception): not reused.
@@ -31,7 +32,7 @@ _UNSAFE = (StopReason.TIMEOUT, StopReason.ERROR)
 
 
 @dataclass(frozen=True)
-class EpisodeRequest:
+class SampleRequest:
     """One sample to play: its sampling, the env seed and task, and the episode's limits."""
 
     sampling: SamplingParams
@@ -40,6 +41,14 @@ class EpisodeRequest:
     session_id: str
     max_turns: int | None
     step_timeout_s: float | None
+
+    def to_episode(self, env: Any, player: Player, *, env_id: str = "") -> EpisodeRequest:
+        """The rollout's `EpisodeRequest` of this sample for ``env`` played by ``player``."""
+        return EpisodeRequest(
+            env, player, self.sampling, seed=self.seed, task=self.task,
+            session_id=self.session_id, max_turns=self.max_turns,
+            step_timeout_s=self.step_timeout_s, env_id=env_id,
+        )
 
 
 class Policy(Protocol):
@@ -51,7 +60,7 @@ class Policy(Protocol):
     async def check(self) -> None:
         """Raise a clear `EngineError`/`ConfigError` when the model cannot be used (before work)."""
 
-    async def play(self, env: Any, benchmark: Benchmark, request: EpisodeRequest) -> Trajectory:
+    async def play(self, env: Any, benchmark: Benchmark, request: SampleRequest) -> Trajectory:
         """Play one episode; failures come back on the trajectory, never as exceptions."""
 
     async def close(self) -> None: ...
@@ -141,7 +150,7 @@ async def _run_benchmark(
             began = time.perf_counter()
             traj = None
             try:
-                traj = await policy.play(env, benchmark, EpisodeRequest(
+                traj = await policy.play(env, benchmark, SampleRequest(
                     sampling=SamplingParams(
                         max_new_tokens=max_new, temperature=settings.temperature,
                         top_p=settings.top_p, top_k=settings.top_k, seed=seed),

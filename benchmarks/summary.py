@@ -6,7 +6,7 @@ import json
 import math
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else math.nan
 
 
-def summarize(records: list[Mapping[str, Any]], *, with_maj: bool) -> dict[str, Any]:
+def summarize(records: Sequence[Mapping[str, Any]], *, with_maj: bool) -> dict[str, Any]:
     """Metrics of one benchmark: pass@k and maj@k for every k <= n, means, stop reasons, cost."""
     tasks = group_tasks(records)
     per_task = [

@@ -19,48 +19,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import pydantic
-
-from palaestra.config import Section
-
-
-class EvalConfig(Section):
-    """Periodic evaluation during training (the ``[eval]`` section of a training config)."""
-
-    benchmarks: list[str] = pydantic.Field(default_factory=list)
-    """Benchmark names (see `palaestra eval list`); empty = no evaluation."""
-    interval: int = 0
-    """Evaluate every this many training steps (0 = never)."""
-    at_start: bool = False
-    """Also evaluate before the first step (step 0), as a baseline."""
-    limit: int | None = 100
-    """First N tasks of each benchmark (None = all)."""
-    n: int = 1
-    """Samples per task (pass@k for every k <= n)."""
-    temperature: float = 0.0
-    """Sampling temperature (0 = greedy, the least noisy estimate for a fixed n)."""
-    top_p: float = 1.0
-    """Nucleus sampling threshold."""
-    max_new_tokens: int | None = None
-    """Tokens per turn (None = each benchmark's own)."""
-    concurrency: int = 64
-    """Episodes in flight."""
-    seed: int = 0
-    """Base of the per-sample seeds."""
-    env_kwargs: dict[str, dict[str, Any]] = pydantic.Field(default_factory=dict)
-    """Extra env kwargs per benchmark name."""
-    save_samples: bool = True
-    """Write each evaluation's samples under RUN_DIR/eval/step_N/."""
-
-    @pydantic.model_validator(mode="after")
-    def _check(self) -> EvalConfig:
-        if self.interval < 0:
-            raise ValueError("eval.interval must be >= 0")
-        if self.interval and not self.benchmarks:
-            raise ValueError("eval.interval is set but eval.benchmarks is empty")
-        if self.n < 1:
-            raise ValueError("eval.n must be >= 1")
-        return self
+from palaestra.engine import Engine
+from palaestra.evaluation import EvalConfig
 
 
 def flatten(summaries: Mapping[str, Mapping[str, Any]], prefix: str = "eval") -> dict[str, float]:
@@ -123,7 +83,7 @@ class TrainingEvaluator:
             return c.at_start
         return step % c.interval == 0
 
-    async def evaluate(self, engine: Any, step: int) -> dict[str, float]:
+    async def evaluate(self, engine: Engine, step: int) -> dict[str, float]:
         """Evaluate the weights ``engine`` serves now; returns the flat metrics (also kept)."""
         from palaestra.benchmarks.policies import TokenPolicy
         from palaestra.benchmarks.runner import EvalSettings, evaluate
@@ -161,7 +121,7 @@ class TrainingEvaluator:
         self.history.append((step, metrics))
         return metrics
 
-    def evaluate_sync(self, engine: Any, step: int) -> dict[str, float]:
+    def evaluate_sync(self, engine: Engine, step: int) -> dict[str, float]:
         """`evaluate` for synchronous training loops."""
         from palaestra.asyncio_utils import run_sync
 

@@ -4,7 +4,7 @@ Importing this package registers the built-in envs in gymnasium's registry (stri
 nothing heavy is imported), as gymnasium does for its own envs.
 """
 
-from palaestra.envs.agent_env import AgentEnv
+from palaestra.envs.external_agent import ExternalAgentEnv
 from palaestra.envs.base import Env, MultiTurnEnv, StepResult, task_id_of
 from palaestra.envs.games import TextGameEnv, wrap_gymnasium
 from palaestra.envs.registry import (
@@ -24,7 +24,7 @@ register_builtin()
 
 __all__ = [
     "BUILTIN_ENVS",
-    "AgentEnv",
+    "ExternalAgentEnv",
     "AssistantMessageSpace",
     "Env",
     "EnvInfo",

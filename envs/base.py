@@ -30,6 +30,7 @@ import gymnasium
 import numpy as np
 
 from palaestra.envs.spaces import AssistantMessageSpace, MessagesSpace
+from palaestra.episode_info import EpisodeKind, ResetInfo, StepInfo
 from palaestra.errors import ConfigError
 from palaestra.tool_parsers import Parser, get_parser, number_calls
 from palaestra.types import Message, StopReason, as_message
@@ -39,13 +40,21 @@ Observation = tuple[Message, ...]
 
 @dataclass
 class StepResult:
-    """What an env returns for one action before the gymnasium bookkeeping is added."""
+    """What an env returns for one action before the gymnasium bookkeeping is added.
+
+    ``info`` holds the env's own keys; the fields the framework reads are typed here (None: not
+    reported) and become the step's `palaestra.episode_info.StepInfo`.
+    """
 
     observation: Sequence[Message] = ()
     reward: float = 0.0
     terminated: bool = False
     info: dict[str, Any] = field(default_factory=dict)
     stop_reason: StopReason | None = None
+    tool_calls: int | None = None
+    tool_errors: int | None = None
+    sandbox_s: float | None = None
+    final_reward: float | None = None
 
 
 def task_id_of(task: Mapping[str, Any]) -> str:
@@ -64,7 +73,9 @@ class Env(gymnasium.Env[Observation, Message]):
     dataset (``dataset=[rows]`` or by overriding `load_dataset`) or by overriding `sample_task`.
     """
 
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"]}
+    metadata: dict[str, Any] = {"render_modes": ["ansi"]}  # gymnasium's (class-level default)
+    #: How the rollout plays this env's episodes (stepped by its own loop unless said otherwise).
+    episode_kind: ClassVar[EpisodeKind] = EpisodeKind.STEPPED
     #: Run `on_action` in a worker thread from `astep` (False for cheap, non-blocking steps).
     step_in_thread: ClassVar[bool] = True
     #: Instance attributes left out of `snapshot` (shared resources: retrievers, sandboxes).
@@ -170,8 +181,8 @@ class Env(gymnasium.Env[Observation, Message]):
         self.on_reset(self.task)
         observation = tuple(as_message(m, role="user") for m in self.initial_messages(self.task))
         self.history = list(observation)
-        info = {"task_id": task_id_of(self.task), "tools": self.tool_schemas()}
-        return observation, info
+        info = ResetInfo(task_id_of(self.task), tuple(self.tool_schemas()))
+        return observation, info.to_info()
 
     def on_reset(self, task: Mapping[str, Any]) -> None:
         """Hook to reset per-episode state before `initial_messages` (optional)."""
@@ -213,13 +224,19 @@ class Env(gymnasium.Env[Observation, Message]):
         terminated = bool(result.terminated)
         truncated = not terminated and self.turn >= self.max_turns
         self.done = terminated or truncated
-        info = dict(result.info)
-        if result.stop_reason is not None:
-            info["stop_reason"] = result.stop_reason.value
-        elif terminated:
-            info["stop_reason"] = StopReason.TERMINATED.value
-        elif truncated:
-            info["stop_reason"] = StopReason.TRUNCATED.value
+        # env-specific keys may still name a typed field (older envs): from_info lifts them
+        typed = StepInfo.from_info(result.info)
+        stop = result.stop_reason or typed.stop_reason
+        if stop is None and (terminated or truncated):
+            stop = StopReason.TERMINATED if terminated else StopReason.TRUNCATED
+        info = StepInfo(
+            stop_reason=stop,
+            tool_calls=_first(result.tool_calls, typed.tool_calls),
+            tool_errors=_first(result.tool_errors, typed.tool_errors),
+            sandbox_s=_first(result.sandbox_s, typed.sandbox_s),
+            final_reward=_first(result.final_reward, typed.final_reward),
+            extra=typed.extra,
+        ).to_info()
         return observation, float(result.reward), terminated, truncated, info
 
     def render(self) -> str | None:
@@ -246,6 +263,10 @@ class Env(gymnasium.Env[Observation, Message]):
         clone.__dict__ = dict(self.__dict__)
         clone.restore(self.snapshot())
         return clone
+
+
+def _first(value: Any, fallback: Any) -> Any:
+    return fallback if value is None else value
 
 
 def _text_parser(name: str) -> Parser | None:
@@ -279,7 +300,8 @@ class MultiTurnEnv(Env):
         reward = self.turn_reward(action, result)
         if result.terminated or self.turn >= self.max_turns:
             final = self.final_reward()
-            result.info.setdefault("final_reward", final)
+            if result.final_reward is None:
+                result.final_reward = final
             reward += final
         result.reward = reward
         return result

@@ -77,7 +77,8 @@ def _fork(env_id: str) -> None:
     assert child.turn == 0 and len(child.history) < len(env.history), "the fork shares state"
     child.step("branch two")
     assert env.history[-1] != child.history[-1] or env.history[-2] != child.history[-2]
-    env.close(), child.close()
+    env.close()
+    child.close()
 
 
 def _double_close(env_id: str) -> None:

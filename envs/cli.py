@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     return _play(args.id, args.seed, json.loads(args.kwargs))
 
 
-_NEEDS = {"ecosystem/OpenEnv-v0": "url=", "ecosystem/Verifiers-v0": "taskset_id= or taskset="}
+_NEEDS = {"ecosystem/OpenEnv-v0": "url=",
+          "ecosystem/Verifiers-v0": "taskset_id= or taskset= (or the id verifiers:<taskset id>)"}
 
 
 def _source(env_id: str) -> str:
@@ -75,6 +76,11 @@ def _with_kwargs(env_id: str, kwargs: dict[str, Any]) -> str:
     from palaestra.envs.registry import register
 
     spec = gymnasium.spec(env_id)
+    if spec.entry_point is None:
+        from palaestra.errors import EnvNotFoundError
+
+        raise EnvNotFoundError(f"{env_id} was registered without an entry point; register it "
+                               "with one ('pkg.module:Class') to check it")
     check_id = f"palaestra-check/{spec.name}-v{spec.version or 0}"
     gymnasium.registry.pop(check_id, None)
     register(check_id, spec.entry_point, **{**spec.kwargs, **kwargs})

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from palaestra.envs.base import StepResult
-from palaestra.envs.python_tool import python_tool
+from palaestra.envs.python_tool import SandboxChoice, python_tool
 from palaestra.envs.rewards import (
     extract_boxed,
     extract_hash_answer,
@@ -96,7 +96,7 @@ class _MathEnv(ToolEnv):
         *,
         dataset: str | Path | Sequence[Mapping[str, Any]] = "test",
         python_tool: bool = False,
-        sandbox: Any = None,
+        sandbox: SandboxChoice = None,
         code_timeout_s: float = 10.0,
         max_turns: int | None = None,
         system_prompt: str | None = None,
@@ -107,7 +107,7 @@ class _MathEnv(ToolEnv):
         tools = [_python_tool_for(self, code_timeout_s)] if python_tool else []
         turns = max_turns if max_turns is not None else (6 if python_tool else 1)
         super().__init__(tools=tools, max_turns=turns, dataset=rows, **kwargs)
-        self.dataset_source = dataset if rows is None else "(rows)"
+        self.dataset_source: str | Path = dataset if isinstance(dataset, (str, Path)) else "(rows)"
         self.python_tool = python_tool
         prompt = system_prompt if system_prompt is not None else SYSTEM_PROMPT
         self.system_prompt = prompt + (TOOL_PROMPT if python_tool and system_prompt is None else "")

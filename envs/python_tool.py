@@ -7,10 +7,18 @@ not 0, and a note when the run timed out or ran out of memory.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Union, cast
 
 from palaestra.envs.tools import Tool
 from palaestra.errors import MissingExtraError
+
+if TYPE_CHECKING:
+    from palaestra.sandbox import ExecResult, Sandbox, SandboxSession
+
+#: where a python run goes: None (a fresh `LocalSandbox` per run), a sandbox class or factory
+#: (called, then entered with ``async with``), or an open sandbox or session shared by the caller
+SandboxChoice = Union["Sandbox", "SandboxSession", Callable[[], "Sandbox"], None]
 
 
 def _default_sandbox_class() -> Any:
@@ -45,13 +53,13 @@ def _text(value: str | bytes) -> str:
 
 
 async def run_python_program(
-    sandbox: Any,
+    sandbox: SandboxChoice,
     code: str,
     *,
     timeout_s: float,
     stdin: str | bytes | None = None,
     files: dict[str, bytes] | None = None,
-) -> Any:
+) -> ExecResult:
     """Run a python program and return the sandbox's `ExecResult`.
 
     ``sandbox``: None (a fresh `LocalSandbox` for this run), a sandbox class or factory (called,
@@ -59,13 +67,15 @@ async def run_python_program(
     """
     if sandbox is None:
         sandbox = _default_sandbox_class()
-    if isinstance(sandbox, type) or not hasattr(sandbox, "run"):
-        async with sandbox() as box:
+    run = getattr(sandbox, "run", None)
+    if isinstance(sandbox, type) or run is None:
+        factory = cast("Callable[[], Sandbox]", sandbox)  # a class or factory: no `run` of its own
+        async with factory() as box:
             return await box.run(code, language="python", timeout=timeout_s, stdin=stdin, files=files)
-    return await sandbox.run(code, language="python", timeout=timeout_s, stdin=stdin, files=files)
+    return await run(code, language="python", timeout=timeout_s, stdin=stdin, files=files)
 
 
-async def run_python(sandbox: Any, code: str, timeout_s: float) -> Any:
+async def run_python(sandbox: SandboxChoice, code: str, timeout_s: float) -> ExecResult:
     """Run the model's snippet (no stdin, no extra files)."""
     return await run_python_program(sandbox, code, timeout_s=timeout_s)
 

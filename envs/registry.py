@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import difflib
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import gymnasium
+from gymnasium.envs.registration import EnvCreator
 
 from palaestra.errors import EnvNotFoundError, MissingExtraError
 
@@ -35,7 +38,7 @@ BUILTIN_ENVS: dict[str, str] = {
 }
 
 
-def register(env_id: str, entry_point: str | type, **kwargs: Any) -> None:
+def register(env_id: str, entry_point: str | EnvCreator, **kwargs: Any) -> None:
     """Register an env (idempotent for the same entry point). ``kwargs`` become defaults."""
     existing = gymnasium.registry.get(env_id)
     if existing is not None and existing.entry_point == entry_point:
@@ -54,6 +57,25 @@ def register_builtin() -> None:
         register(env_id, entry_point)
 
 
+def register_declared(module: ModuleType) -> None:
+    """Register the ``PALAESTRA_ENVS`` table (id -> entry point) a module declares.
+
+    `lookup` calls it for the module of a ``"some.module:Their-v0"`` id, so such a module
+    declares its envs instead of registering them as an import side effect (a module that calls
+    `register` at import, gymnasium's way, still works).
+    """
+    table = getattr(module, "PALAESTRA_ENVS", None)
+    if table is None:
+        return
+    if not isinstance(table, Mapping):
+        raise EnvNotFoundError(
+            f"{module.__name__}.PALAESTRA_ENVS must map env ids to entry points "
+            f"('pkg.module:Class'), got {type(table).__name__}"
+        )
+    for env_id, entry_point in table.items():
+        register(env_id, entry_point)
+
+
 def lookup(env_id: str) -> tuple[str, Any]:
     """The bare gymnasium id and `EnvSpec` registered as ``env_id``, without building the env.
 
@@ -62,13 +84,18 @@ def lookup(env_id: str) -> tuple[str, Any]:
     """
     register_builtin()
     module, _, bare_id = env_id.rpartition(":")
+    if module == "verifiers":  # "verifiers:<taskset id>": an installed verifiers environment
+        from palaestra.envs.ecosystem.verifiers_env import register_verifiers_id
+
+        return lookup(register_verifiers_id(bare_id))
     if module:
         try:
-            importlib.import_module(module)
+            imported = importlib.import_module(module)
         except ModuleNotFoundError as exc:
             raise EnvNotFoundError(
                 f"cannot import {module!r} to find {bare_id!r} ({exc}); is the package installed?"
             ) from None
+        register_declared(imported)
     spec = gymnasium.registry.get(bare_id)
     if spec is None:
         close = difflib.get_close_matches(bare_id, list(gymnasium.registry), n=3, cutoff=0.8)

@@ -279,6 +279,9 @@ def _verify_in_process(pred: str, gold: str, timeout_s: int) -> bool:
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=timeout_s))
 
 
+# Process-wide on purpose: math-verify's workers hold no state of a run (each call is a pure
+# function of its two strings), cost a spawn (~1 s) each, and are killed at exit; a second run in
+# the process reuses them and cannot see anything of the first.
 _POOL: concurrent.futures.ProcessPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 

@@ -1,17 +1,17 @@
 """Find and read the data files shipped with palaestra (``data/`` in the repository).
 
-The folder is located, in order, from ``$PALAESTRA_DATA_DIR``, next to the installed package
-(``palaestra/data`` in a wheel) or at the repository root (editable installs, where
-``palaestra.envs`` is a link to ``<repo>/envs``). Files are JSON lines, optionally gzipped.
+The folder is ``$PALAESTRA_DATA_DIR`` when set, else the package data ``palaestra/data`` read
+through `importlib.resources` (in a wheel the folder itself; in an editable install the
+``src/palaestra/data`` link to ``<repo>/data``, as for the component folders). Files are JSON
+lines, optionally gzipped.
 """
 
 from __future__ import annotations
 
 import functools
-import gzip
-import json
 import os
 from collections.abc import Iterator
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +21,13 @@ from palaestra.errors import ConfigError
 def data_dir() -> Path:
     """The folder holding the shipped data (``search/``, ``math/``, ``code/``)."""
     override = os.environ.get("PALAESTRA_DATA_DIR")
-    candidates = [Path(override)] if override else []
-    here = Path(__file__)
-    candidates += [
-        here.parent.parent / "data",  # wheel: palaestra/envs/shipped.py -> palaestra/data
-        here.resolve().parent.parent / "data",  # editable: <repo>/envs/shipped.py -> <repo>/data
-    ]
-    for candidate in candidates:
-        if (candidate / "search").is_dir() or (candidate / "math").is_dir():
-            return candidate
+    # an installed package is a plain folder (wheel or editable path), so the resource is a path
+    candidate = Path(override) if override else Path(str(resources.files("palaestra") / "data"))
+    if (candidate / "search").is_dir() or (candidate / "math").is_dir():
+        return candidate
     raise ConfigError(
-        "cannot find palaestra's shipped data folder (looked in "
-        f"{', '.join(str(c) for c in candidates)}); set PALAESTRA_DATA_DIR to the repository's "
-        "data/ folder, or reinstall palaestra"
+        f"cannot find palaestra's shipped data folder (looked in {candidate}); set "
+        "PALAESTRA_DATA_DIR to the repository's data/ folder, or reinstall palaestra"
     )
 
 
@@ -50,18 +44,14 @@ def iter_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"data file {str(path)!r} does not exist")
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:  # type: ignore[operator]
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{number} is not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{path}:{number} must be a JSON object, got {type(row).__name__}")
-            yield row
+    from palaestra.jsonl import jsonl_lines
+
+    for number, row, error in jsonl_lines(path):  # lazily: callers may read the first rows only
+        if error is not None:
+            raise ConfigError(f"{path}:{number}: {error}")
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}:{number} must be a JSON object, got {type(row).__name__}")
+        yield row
 
 
 @functools.lru_cache(maxsize=16)

@@ -5,13 +5,18 @@ timeout). Every way a call can go wrong (unknown tool, malformed JSON, wrong arg
 that raises or hangs, output too long, non-UTF-8 bytes) becomes an error tool message the model
 can read and the episode goes on; ``max_consecutive_errors`` error turns in a row end it with stop
 reason ``parse_error``. An action without tool calls is the final answer, scored by `score`.
+
+A `ToolRunner` may be injected (``tool_runner=`` or `use_tool_runner`): every call then goes
+through ``runner.run(call, execute)``, which may answer it itself or run ``execute`` (the env's
+own `call_tool`); ``runner.start_episode(task)`` is told of every reset. The record/replay cache
+(`palaestra.rollout.tool_cache`) is one; the env's methods are never replaced.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, ClassVar, Protocol
 
 from palaestra.asyncio_utils import run_sync
 from palaestra.envs.base import MultiTurnEnv, StepResult
@@ -20,6 +25,19 @@ from palaestra.errors import ToolError
 from palaestra.types import Message, StopReason, ToolCall
 
 TRUNCATION_MARKER = "\n...[truncated {n} characters]"
+
+#: one tool call -> (the tool message, whether it is an error)
+ToolCallFn = Callable[[ToolCall], Awaitable[tuple[Message, bool]]]
+
+
+class ToolRunner(Protocol):
+    """Runs a `ToolEnv`'s tool calls (see the module docstring)."""
+
+    def start_episode(self, task: Mapping[str, Any]) -> None:
+        """A new episode of ``task`` begins (reset per-episode state)."""
+
+    async def run(self, call: ToolCall, execute: ToolCallFn) -> tuple[Message, bool]:
+        """Answer ``call``, with ``execute(call)`` when the env itself must run it."""
 
 
 class ToolEnv(MultiTurnEnv):
@@ -36,9 +54,12 @@ class ToolEnv(MultiTurnEnv):
         max_tool_output_chars: int = 4000,
         max_consecutive_errors: int = 3,
         tool_timeout_s: float = 30.0,
+        tool_runner: ToolRunner | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(max_turns=max_turns, **kwargs)
+        self.tool_runner: ToolRunner | None = None
+        self.use_tool_runner(tool_runner)
         self._tools = collect_tools(self, list(tools or []))
         self._schemas: list[dict[str, Any]] | None = None  # built on first use, then reused
         self.max_tool_output_chars = max_tool_output_chars
@@ -54,6 +75,22 @@ class ToolEnv(MultiTurnEnv):
         if self._schemas is None:  # pydantic schema generation costs ~0.3 ms per reset otherwise
             self._schemas = [t.schema() for t in self._tools.values()]
         return [dict(s) for s in self._schemas]
+
+    def use_tool_runner(self, runner: ToolRunner | None) -> None:
+        """Route this env's tool calls through ``runner`` (None: run them directly)."""
+        self.tool_runner = runner
+        if runner is not None and "tool_runner" not in self.snapshot_exclude:
+            # a shared resource (a cache with an open file), as a sandbox is: kept out of
+            # snapshots, so a fork or restore keeps the live runner
+            self.snapshot_exclude = (*self.snapshot_exclude, "tool_runner")  # type: ignore[misc]
+
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[tuple[Message, ...], dict[str, Any]]:
+        observation, info = super().reset(seed=seed, options=options)
+        if self.tool_runner is not None and self.task is not None:
+            self.tool_runner.start_episode(self.task)
+        return observation, info
 
     def on_reset(self, task: Mapping[str, Any]) -> None:
         self.consecutive_errors = 0
@@ -78,19 +115,18 @@ class ToolEnv(MultiTurnEnv):
             return StepResult(
                 reward=self.score(action), terminated=True, info=self.answer_info(action)
             )
-        outcomes = await asyncio.gather(*(self.call_tool(c) for c in action.tool_calls))
+        runner = self.tool_runner
+        outcomes = await asyncio.gather(*(
+            self.call_tool(c) if runner is None else runner.run(c, self.call_tool)
+            for c in action.tool_calls
+        ))
         messages = [m for m, _ in outcomes]
         errors = sum(1 for _, is_error in outcomes if is_error)
         self.consecutive_errors = self.consecutive_errors + 1 if errors else 0
-        info = {"tool_calls": len(outcomes), "tool_errors": errors}
+        result = StepResult(observation=messages, tool_calls=len(outcomes), tool_errors=errors)
         if self.consecutive_errors >= self.max_consecutive_errors:
-            return StepResult(
-                observation=messages,
-                terminated=True,
-                info=info,
-                stop_reason=StopReason.PARSE_ERROR,
-            )
-        return StepResult(observation=messages, info=info)
+            result.terminated, result.stop_reason = True, StopReason.PARSE_ERROR
+        return result
 
     async def call_tool(self, call: ToolCall) -> tuple[Message, bool]:
         """Run one call; returns the tool message and whether it is an error."""

@@ -29,7 +29,8 @@ def tool(fn: ToolFunction | None = None, *, blocking: bool = True, name: str | N
     """Mark a method of a `ToolEnv` as a tool. ``blocking=False`` runs it on the event loop."""
 
     def mark(f: ToolFunction) -> ToolFunction:
-        f.__palaestra_tool__ = {"blocking": blocking, "name": name or f.__name__}  # type: ignore[attr-defined]
+        # setattr: a function takes no new attributes as far as the type checker knows
+        setattr(f, "__palaestra_tool__", {"blocking": blocking, "name": name or f.__name__})  # noqa: B010
         return f
 
     return mark(fn) if fn is not None else mark
@@ -166,7 +167,7 @@ class Tool:
         return json.dumps({k: f"<{k}>" for k in props})
 
 
-def collect_tools(obj: object, extra: list[ToolFunction] | None = None) -> dict[str, Tool]:
+def collect_tools(obj: object, extra: list[ToolFunction | Tool] | None = None) -> dict[str, Tool]:
     """Tools from methods of ``obj`` marked with `tool`, plus ``extra`` callables."""
     tools: dict[str, Tool] = {}
     for attr in dir(type(obj)):

@@ -1,6 +1,6 @@
 """Rollout: tasks -> groups of episodes -> scored, token-exact samples, fast and without loss.
 
-`run_episode` is the one env/agent/engine loop; `RolloutManager` runs it at scale on rollout
+`play_episode(EpisodeRequest)` is the one episode loop (`run_episode`: its token-level call); `RolloutManager` runs it at scale on rollout
 workers (Ray actors, or in-process with ``cluster="local"``) and hands the trainer
 `RolloutBatch`es. Importing this package is light: names load on first use, and nothing here
 imports ray or torch until a function needs it.
@@ -16,19 +16,99 @@ are not wrapped as Ray actors: the HTTP path is the one SGLang needs anyway, and
 updates, aborts and failover in one place.
 
 Modules: `episode` (the loop), `data` (data source), `groups` (filters), `worker` / `cluster` /
-`manager` (scale-out and batches), `tool_cache` (record/replay), `batching` (DP balance,
-micro-batches, tensors), `metrics`, `placement` (GPU plans), `config`, `testing` (scripted
-policies and faulty envs for tests and benchmarks).
+`manager` (scale-out and batches), `tool_cache` (record/replay), `metrics`, `placement` (GPU
+plans), `config`, `testing` (scripted policies and faulty envs for tests and benchmarks). Samples
+become tensors in `palaestra.trainers.batching` (DP balance, micro-batches).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr__` loads them
+    from palaestra.rollout.cluster import (
+        WorkerPool as WorkerPool,
+    )
+    from palaestra.rollout.config import (
+        EngineSpec as EngineSpec,
+    )
+    from palaestra.rollout.config import (
+        RolloutConfig as RolloutConfig,
+    )
+    from palaestra.rollout.config import (
+        WorkerConfig as WorkerConfig,
+    )
+    from palaestra.rollout.data import (
+        DataSource as DataSource,
+    )
+    from palaestra.rollout.data import (
+        TaskItem as TaskItem,
+    )
+    from palaestra.rollout.data import (
+        load_rows as load_rows,
+    )
+    from palaestra.rollout.episode import (
+        EpisodeRequest as EpisodeRequest,
+    )
+    from palaestra.rollout.episode import (
+        EpisodeState as EpisodeState,
+    )
+    from palaestra.rollout.episode import (
+        TokenPlayer as TokenPlayer,
+    )
+    from palaestra.rollout.episode import (
+        play_episode as play_episode,
+    )
+    from palaestra.rollout.episode import (
+        run_episode as run_episode,
+    )
+    from palaestra.rollout.groups import (
+        GroupFilter as GroupFilter,
+    )
+    from palaestra.rollout.groups import (
+        judge_group as judge_group,
+    )
+    from palaestra.rollout.groups import (
+        nonzero_variance as nonzero_variance,
+    )
+    from palaestra.rollout.manager import (
+        RolloutBatch as RolloutBatch,
+    )
+    from palaestra.rollout.manager import (
+        RolloutManager as RolloutManager,
+    )
+    from palaestra.rollout.metrics import (
+        summarize as summarize,
+    )
+    from palaestra.rollout.placement import (
+        PlacementConfig as PlacementConfig,
+    )
+    from palaestra.rollout.placement import (
+        PlacementPlan as PlacementPlan,
+    )
+    from palaestra.rollout.placement import (
+        plan_placement as plan_placement,
+    )
+    from palaestra.rollout.tool_cache import (
+        ToolCache as ToolCache,
+    )
+    from palaestra.rollout.worker import (
+        GroupResult as GroupResult,
+    )
+    from palaestra.rollout.worker import (
+        GroupTask as GroupTask,
+    )
+    from palaestra.rollout.worker import (
+        RolloutWorker as RolloutWorker,
+    )
 
 _EXPORTS = {
     "run_episode": "palaestra.rollout.episode",
     "EpisodeState": "palaestra.rollout.episode",
+    "EpisodeRequest": "palaestra.rollout.episode",
+    "TokenPlayer": "palaestra.rollout.episode",
+    "play_episode": "palaestra.rollout.episode",
     "DataSource": "palaestra.rollout.data",
     "TaskItem": "palaestra.rollout.data",
     "load_rows": "palaestra.rollout.data",
@@ -44,9 +124,6 @@ _EXPORTS = {
     "GroupTask": "palaestra.rollout.worker",
     "GroupResult": "palaestra.rollout.worker",
     "ToolCache": "palaestra.rollout.tool_cache",
-    "balance_by_tokens": "palaestra.rollout.batching",
-    "micro_batches": "palaestra.rollout.batching",
-    "collate": "palaestra.rollout.batching",
     "summarize": "palaestra.rollout.metrics",
     "plan_placement": "palaestra.rollout.placement",
     "PlacementPlan": "palaestra.rollout.placement",
@@ -57,6 +134,7 @@ _EXPORTS = {
 __all__ = [
     "DataSource",
     "EngineSpec",
+    "EpisodeRequest",
     "EpisodeState",
     "GroupFilter",
     "GroupResult",
@@ -68,16 +146,15 @@ __all__ = [
     "RolloutManager",
     "RolloutWorker",
     "TaskItem",
+    "TokenPlayer",
     "ToolCache",
     "WorkerConfig",
     "WorkerPool",
-    "balance_by_tokens",
-    "collate",
     "judge_group",
     "load_rows",
-    "micro_batches",
     "nonzero_variance",
     "plan_placement",
+    "play_episode",
     "run_episode",
     "summarize",
 ]

@@ -1,7 +1,8 @@
 """Where rollout workers run: Ray actors (default) or in-process objects (``cluster="local"``).
 
-A `WorkerPool` owns the workers; both kinds sit behind `WorkerHandle.call(method, *args) ->
-awaitable`, so the manager's code is the same for either. Ray mode attaches to ``address``
+A `WorkerPool` owns the workers; both kinds sit behind a `WorkerClient`, whose methods have the
+signatures of `RolloutWorker`'s own (awaited either way), so the manager's code is the same for
+either and every call can be followed to the worker method it runs. Ray mode attaches to ``address``
 (``"auto"``, ``ray://...``, or the ``RAY_ADDRESS`` that ``ray job submit`` sets) or starts a local
 cluster when there is none, and shuts down only a cluster it started. Workers are async actors:
 their episodes are asyncio tasks on the actor's event loop, and one actor call carries a whole
@@ -13,38 +14,103 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from palaestra.errors import ConfigError, MissingExtraError
 from palaestra.rollout.config import WorkerConfig
 from palaestra.rollout.engines.base import Engine
-from palaestra.rollout.worker import RolloutWorker
+from palaestra.rollout.inflight import SavedGroup
+from palaestra.rollout.worker import GroupResult, GroupTask, PauseReport, RolloutWorker
 
 CLUSTERS = ("ray", "local")
 
 
-class WorkerHandle:
-    """A worker reached in-process or through Ray; ``call`` returns an awaitable either way."""
+class WorkerClient:
+    """Typed calls on one rollout worker: an in-process `RolloutWorker` or a Ray actor of one.
+
+    Each method runs the worker method of the same name with the same arguments: directly on
+    the in-process object, or as ``actor.<method>.remote(...)`` (the result awaited from its
+    object ref). A dead actor surfaces as the exception Ray raises (``RayActorError``) when the
+    call is awaited.
+    """
 
     def __init__(self, index: int, local: RolloutWorker | None = None, actor: Any = None) -> None:
+        if (local is None) == (actor is None):
+            raise ValueError("a WorkerClient wraps either a local worker or a Ray actor handle")
         self.index = index
         self.local = local
-        self.actor = actor
+        self.actor = actor  # a ray.actor.ActorHandle of RolloutWorker (Ray ships no stubs)
 
-    def call(self, method: str, *args: Any) -> Awaitable[Any]:
+    async def warmup(self) -> int:
         if self.local is not None:
-            result = getattr(self.local, method)(*args)
-            return result if asyncio.iscoroutine(result) else _done(result)
-        return _await_ref(getattr(self.actor, method).remote(*args))
+            return await self.local.warmup()
+        return int(await self.actor.warmup.remote())
 
+    async def configure(self, config: WorkerConfig) -> None:
+        if self.local is not None:
+            return await self.local.configure(config)
+        await self.actor.configure.remote(config)
 
-async def _done(value: Any) -> Any:
-    return value
+    async def prewarm(self, env_id: str, count: int) -> int:
+        if self.local is not None:
+            return await self.local.prewarm(env_id, count)
+        return int(await self.actor.prewarm.remote(env_id, count))
 
+    async def exchange(
+        self, groups: Sequence[GroupTask] = (), wait_s: float | None = None
+    ) -> list[GroupResult]:
+        if self.local is not None:
+            return await self.local.exchange(groups, wait_s)
+        return list(await self.actor.exchange.remote(list(groups), wait_s))
 
-async def _await_ref(ref: Any) -> Any:
-    return await ref
+    async def close_gate(self) -> None:
+        if self.local is not None:
+            return await self.local.close_gate()
+        await self.actor.close_gate.remote()
+
+    async def pause(self, abort: bool = True) -> PauseReport:
+        if self.local is not None:
+            return await self.local.pause(abort)
+        report: PauseReport = await self.actor.pause.remote(abort)
+        return report
+
+    async def resume(self) -> int:
+        if self.local is not None:
+            return await self.local.resume()
+        return int(await self.actor.resume.remote())
+
+    async def inflight_state(self) -> list[SavedGroup]:
+        if self.local is not None:
+            return await self.local.inflight_state()
+        return list(await self.actor.inflight_state.remote())
+
+    async def restore_inflight(self, groups: Sequence[SavedGroup]) -> int:
+        if self.local is not None:
+            return await self.local.restore_inflight(groups)
+        return int(await self.actor.restore_inflight.remote(list(groups)))
+
+    async def update_weights(
+        self, version: int, state_dict: Mapping[str, Any] | None = None, path: str | None = None
+    ) -> None:
+        if self.local is not None:
+            return await self.local.update_weights(version, state_dict, path)
+        await self.actor.update_weights.remote(version, state_dict, path)
+
+    async def stats(self) -> dict[str, Any]:
+        if self.local is not None:
+            return await self.local.stats()
+        return dict(await self.actor.stats.remote())
+
+    async def shutdown(self) -> None:
+        if self.local is not None:
+            return await self.local.shutdown()
+        await self.actor.shutdown.remote()
+
+    async def ping(self) -> int:
+        if self.local is not None:
+            return await self.local.ping()
+        return int(await self.actor.ping.remote())
 
 
 class WorkerPool:
@@ -76,23 +142,23 @@ class WorkerPool:
         self.address = address
         self.num_cpus = num_cpus
         self.engine = engine
-        self.handles: list[WorkerHandle] = []
+        self.handles: list[WorkerClient] = []
         self._started_ray = False
 
-    async def start(self) -> list[WorkerHandle]:
+    async def start(self) -> list[WorkerClient]:
         if self.handles:
             return self.handles
         if self.cluster == "local":
             self.handles = [
-                WorkerHandle(i, local=RolloutWorker(self.worker_config, i, self.engine))
+                WorkerClient(i, local=RolloutWorker(self.worker_config, i, self.engine))
                 for i in range(self.num_workers)
             ]
         else:
             self.handles = self._start_ray()
-        await asyncio.gather(*(h.call("warmup") for h in self.handles))
+        await asyncio.gather(*(h.warmup() for h in self.handles))
         return self.handles
 
-    def _start_ray(self) -> list[WorkerHandle]:
+    def _start_ray(self) -> list[WorkerClient]:
         try:
             import ray
         except ImportError as exc:
@@ -103,7 +169,7 @@ class WorkerPool:
             ray.init(address=self.address, include_dashboard=False)
         actor_cls = ray.remote(num_cpus=self.num_cpus)(RolloutWorker)
         return [
-            WorkerHandle(i, actor=actor_cls.remote(self.worker_config, i))
+            WorkerClient(i, actor=actor_cls.remote(self.worker_config, i))
             for i in range(self.num_workers)
         ]
 
@@ -111,13 +177,13 @@ class WorkerPool:
         """Give every worker a new config (stops whatever they were running)."""
         self.worker_config = worker_config
         if self.handles:
-            await asyncio.gather(*(h.call("configure", worker_config) for h in self.handles))
-            await asyncio.gather(*(h.call("warmup") for h in self.handles))
+            await asyncio.gather(*(h.configure(worker_config) for h in self.handles))
+            await asyncio.gather(*(h.warmup() for h in self.handles))
 
     async def prewarm(self, env_id: str, episodes: int) -> None:
         """Build envs and agents for ``episodes`` concurrent episodes, spread over the workers."""
         share = -(-episodes // max(len(self.handles), 1))
-        await asyncio.gather(*(h.call("prewarm", env_id, share) for h in self.handles))
+        await asyncio.gather(*(h.prewarm(env_id, share) for h in self.handles))
 
     def drop(self, index: int) -> None:
         """Forget a dead worker."""
@@ -126,7 +192,7 @@ class WorkerPool:
     async def close(self) -> None:
         """Stop the workers (and the Ray cluster if this pool started it)."""
         handles, self.handles = self.handles, []
-        await asyncio.gather(*(h.call("shutdown") for h in handles), return_exceptions=True)
+        await asyncio.gather(*(h.shutdown() for h in handles), return_exceptions=True)
         actors = [h.actor for h in handles if h.actor is not None]
         if actors:
             import ray
@@ -137,4 +203,4 @@ class WorkerPool:
                 ray.shutdown()
 
 
-__all__ = ["CLUSTERS", "WorkerHandle", "WorkerPool"]
+__all__ = ["CLUSTERS", "WorkerClient", "WorkerPool"]

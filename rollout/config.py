@@ -1,5 +1,6 @@
 """Rollout settings: how workers reach engines (`EngineSpec`), what a worker runs (`WorkerConfig`)
-and how the manager forms batches (`RolloutConfig`).
+and how rollout forms batches (`RolloutConfig`: the one rollout settings object, ``[rollout]``
+of ``palaestra train`` and the manager's config alike).
 
 Engines, as seen from a worker, are either *shared* servers reached over HTTP
 (``EngineSpec.http(urls)``: `palaestra serve` or SGLang; each worker holds a `Router` of
@@ -15,11 +16,20 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
+import pydantic
+from pydantic import Field
+from pydantic._internal._model_construction import ModelMetaclass  # pydantic.main uses it too
+
+from palaestra.config import Problem, Section
 from palaestra.errors import ConfigError
+from palaestra.rollout.branching import BranchingConfig
 from palaestra.rollout.engines.base import Engine, SamplingParams
 from palaestra.rollout.groups import GroupFilter
+
+if TYPE_CHECKING:
+    from palaestra.agents import Agent, AgentSpec
 
 
 @dataclass(frozen=True)
@@ -63,7 +73,8 @@ class WorkerConfig:
     """Everything a rollout worker needs to run episodes (picklable)."""
 
     engine: EngineSpec
-    agent: Any  # an AgentSpec (with .build()) or a picklable zero-argument callable -> Agent
+    # an AgentSpec (built with the worker's rng) or a picklable zero-argument callable -> Agent
+    agent: AgentSpec | Callable[[], Agent]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     env_kwargs: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)  # per env id
     max_turns: int | None = None
@@ -73,55 +84,97 @@ class WorkerConfig:
     tool_cache: tuple[str, str] | None = None  # (path, mode) of a record/replay cache
     poll_s: float = 0.05  # longest a worker's exchange call waits for results
     linger_s: float = 0.002  # after the first result, wait this long to batch more
+    # a `palaestra.rollout.rewards.RewardClient`: scores each finished episode ([[rewards]])
+    rewards: Any = None
 
 
-@dataclass(frozen=True)
-class RolloutConfig:
-    """How the manager turns tasks into batches."""
+class _ConfigErrorOnCall(ModelMetaclass):
+    """``RolloutConfig(...)`` in code raises one `ConfigError` listing every problem (fields and
+    `rollout_problems`). Only a direct call goes through here: as a section of a loaded config
+    the model is validated inside its parent, whose loader reports pydantic's errors with their
+    dotted paths (``rollout.batch_size = 0: must be >= 1``) and runs `rollout_problems` itself."""
 
-    batch_size: int = 64  # groups per batch
-    group_size: int = 4  # episodes per task
-    max_concurrency: int = 256  # episodes in flight over all workers
-    over_sampling: float = 1.0  # groups in flight = ceil(missing groups x this), capped above
-    filters: tuple[str | GroupFilter, ...] = ()  # e.g. ("nonzero_variance",): dynamic sampling
-    max_draw_factor: float = 4.0  # at most ceil(batch_size x this) tasks drawn per step
-    min_group_size: int = 1  # fewer usable (non-failed) episodes -> the group fails
-    max_failure_rate: float = 0.5  # failed / finished episodes above this -> RolloutError
-    mode: str = "sync"  # "sync" | "async" (batch k+1 generated while k trains)
-    max_staleness: int = 1  # newest version - oldest token version allowed in a batch
-    stale_action: str = "requeue"  # "requeue" (regenerate the task) | "drop"
-    pause_between_batches: bool | None = None  # default: True in sync mode, False in async
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        try:
+            config = super().__call__(*args, **kwargs)
+        except pydantic.ValidationError as exc:
+            raise _invalid([
+                f"{'.'.join(str(p) for p in err['loc'])} = {err.get('input')!r}: {err['msg']}"
+                for err in exc.errors()
+            ]) from None
+        config.check()
+        return config
+
+
+class RolloutConfig(Section, metaclass=_ConfigErrorOnCall):
+    """How rollout runs: groups and batches (the manager), sampling, workers, sync/async.
+
+    The one rollout settings object: ``[rollout]`` of ``palaestra train`` (checked when the
+    config loads, by field and by `rollout_problems`) and the `RolloutManager`'s own config
+    (checked when built: a `ConfigError` lists every problem).
+    """
+
+    batch_size: int = Field(16, ge=1)
+    """Groups (prompts) per training step."""
+    group_size: int = Field(8, ge=1)
+    """Episodes per prompt (group baselines such as GRPO's need 2 or more)."""
+    max_new_tokens: int = Field(256, ge=1)
+    """Token budget of one assistant turn."""
+    temperature: float = Field(1.0, gt=0.0)
+    """Sampling temperature (the trainer divides logits by it to match)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling."""
+    max_turns: int | None = Field(None, ge=1)
+    """Cap on assistant turns per episode (None: the env's own limit)."""
+    cluster: Literal["ray", "local"] = "ray"
+    """Rollout workers as Ray actors, or in-process asyncio workers ("local")."""
+    ray_address: str | None = None
+    """Address of an existing Ray cluster (None: start a local one)."""
+    num_workers: int = Field(2, ge=1)
+    """Rollout workers."""
+    worker_num_cpus: float = Field(1.0, gt=0.0)
+    """CPUs Ray reserves for each rollout worker actor."""
+    max_concurrency: int = Field(256, ge=1)
+    """Episodes in flight over all workers."""
+    mode: Literal["sync", "async"] = "sync"
+    """sync: rollout then train; async: rollout of step k+1 overlaps training of step k."""
+    max_staleness: int = Field(1, ge=0)
+    """Oldest policy version a trained token may have, counted back from the newest."""
+    stale_action: Literal["requeue", "drop"] = "requeue"
+    """A group older than ``max_staleness``: regenerate its task ("requeue") or drop it."""
+    pause_between_batches: bool | None = None
+    """Park in-flight episodes while the trainer works (None: in sync mode, not in async)."""
+    filters: tuple[str | GroupFilter, ...] = ()
+    """Group filters, e.g. ["nonzero_variance"] (dynamic sampling); in code also callables
+    ``filter(trajectories) -> bool``."""
+    max_draw_factor: float = Field(4.0, ge=1.0)
+    """At most ceil(batch_size x this) tasks drawn per step (filters drop groups)."""
+    min_group_size: int = Field(1, ge=1)
+    """A group left with fewer usable (non-failed) episodes fails."""
+    max_failure_rate: float = Field(0.5, ge=0.0, le=1.0)
+    """Failed episodes above this fraction fail the step."""
+    over_sampling: float = Field(1.0, ge=1.0)
+    """Groups started per missing group (>1 when filters drop many groups)."""
     pass_threshold: float = 1.0
-    num_workers: int = 2
-    worker_num_cpus: float = 1.0
+    """Reward at or above which an episode counts as passed (``pass@k`` metrics)."""
+    branching: BranchingConfig | None = None
+    """Play each group as trees: episodes share their first turns and fork before the given
+    turns into ``width`` branches (``{turns = [1, 2], width = 2}``); group_size counts leaves
+    (`palaestra.rollout.branching`; train them with trainer.loss.advantage_estimator = "tree")."""
 
-    def __post_init__(self) -> None:
-        problems = []
-        for name in ("batch_size", "group_size", "max_concurrency", "num_workers", "min_group_size"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1 (got {getattr(self, name)})")
-        if self.over_sampling < 1.0:
-            problems.append(f"over_sampling must be >= 1.0 (got {self.over_sampling})")
-        if self.max_draw_factor < 1.0:
-            problems.append(f"max_draw_factor must be >= 1.0 (got {self.max_draw_factor})")
-        if not 0.0 <= self.max_failure_rate <= 1.0:
-            problems.append(f"max_failure_rate must be in [0, 1] (got {self.max_failure_rate})")
-        if self.mode not in ("sync", "async"):
-            problems.append(f"mode must be 'sync' or 'async' (got {self.mode!r})")
-        if self.max_staleness < 0:
-            problems.append(f"max_staleness must be >= 0 (got {self.max_staleness})")
-        if self.stale_action not in ("requeue", "drop"):
-            problems.append(f"stale_action must be 'requeue' or 'drop' (got {self.stale_action!r})")
-        if self.min_group_size > self.group_size:
-            problems.append(
-                f"min_group_size ({self.min_group_size}) exceeds group_size ({self.group_size})"
-            )
-        if self.max_concurrency < self.group_size:
-            problems.append(
-                f"max_concurrency ({self.max_concurrency}) must fit one group ({self.group_size})"
-            )
+    def check(self) -> None:
+        """Raise `ConfigError` when the settings do not fit together (`rollout_problems`)."""
+        problems = rollout_problems(self, prefix="")
         if problems:
-            raise ConfigError("invalid rollout config:\n  - " + "\n  - ".join(problems))
+            raise _invalid([p.message for p in problems])
+
+    def sampling(self, temperature: float | None = None) -> SamplingParams:
+        """The sampling settings of rollout (``temperature`` for e.g. a greedy evaluation)."""
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature if temperature is None else temperature,
+            top_p=self.top_p,
+        )
 
     @property
     def max_inflight_groups(self) -> int:
@@ -138,4 +191,36 @@ class RolloutConfig:
         return self.mode == "sync"
 
 
-__all__ = ["EngineSpec", "RolloutConfig", "WorkerConfig"]
+def _invalid(lines: Sequence[str]) -> ConfigError:
+    return ConfigError("invalid rollout config:\n  - " + "\n  - ".join(lines))
+
+
+def rollout_problems(r: RolloutConfig, prefix: str = "rollout.") -> list[Problem]:
+    """What the field types alone do not catch; ``prefix`` names the section in messages."""
+    from palaestra.rollout.groups import BUILTIN_FILTERS
+
+    out = []
+    if r.max_concurrency < r.group_size:
+        out.append(Problem((f"{prefix}max_concurrency", f"{prefix}group_size"), (
+            f"{prefix}max_concurrency = {r.max_concurrency} cannot hold one group of "
+            f"{prefix}group_size = {r.group_size} episodes; raise max_concurrency to at least "
+            f"{r.group_size}")))
+    if r.min_group_size > r.group_size:
+        out.append(Problem((f"{prefix}min_group_size", f"{prefix}group_size"), (
+            f"{prefix}min_group_size = {r.min_group_size} exceeds {prefix}group_size = "
+            f"{r.group_size}: every group would fail; lower min_group_size")))
+    if r.branching is not None and r.group_size % r.branching.spec().leaves_per_root:
+        per_root = r.branching.spec().leaves_per_root
+        out.append(Problem((f"{prefix}branching", f"{prefix}group_size"), (
+            f"{prefix}group_size = {r.group_size} leaves cannot be split into trees of "
+            f"{per_root} leaves ({prefix}branching: width {r.branching.width} ** "
+            f"{len(r.branching.turns)} branch turns); make group_size a multiple of {per_root}")))
+    unknown = [f for f in r.filters if isinstance(f, str) and f not in BUILTIN_FILTERS]
+    if unknown:
+        out.append(Problem((f"{prefix}filters",), (
+            f"{prefix}filters: unknown filter(s) {unknown}; use {sorted(BUILTIN_FILTERS)} (or, "
+            "in code, a callable(trajectories) -> bool)")))
+    return out
+
+
+__all__ = ["EngineSpec", "RolloutConfig", "WorkerConfig", "rollout_problems"]

@@ -23,6 +23,7 @@ import numpy as np
 
 from palaestra.envs.base import task_id_of
 from palaestra.errors import CheckpointError, ConfigError
+from palaestra.jsonl import jsonl_lines
 
 ENV_KEYS = ("env_id", "env")
 R = TypeVar("R", bound=Mapping[str, Any])
@@ -76,19 +77,6 @@ def load_rows(path: str | Path, *, split: str = "train") -> list[dict[str, Any]]
         f"unsupported data file {p.name!r}; use .jsonl, .json, .parquet or a folder saved with "
         "datasets' save_to_disk"
     )
-
-
-def jsonl_lines(path: Path) -> Iterator[tuple[int, Any, str | None]]:
-    """``(line number, row, None)`` per non-blank line, or ``(number, None, why)`` when it does
-    not parse."""
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield n, json.loads(line), None
-            except json.JSONDecodeError as exc:
-                yield n, None, f"not valid JSON ({exc.msg} at column {exc.colno})"
 
 
 def describe_bad_rows(problems: Sequence[str], checked: int, shown: int = 5) -> str:
@@ -260,5 +248,5 @@ def _mix(seed: int, epoch: int, index: int) -> int:
     return int((x ^ (x >> 32)) & 0x7FFFFFFF)
 
 
-__all__ = ["DataSource", "TaskItem", "describe_bad_rows", "jsonl_lines", "load_rows",
+__all__ = ["DataSource", "TaskItem", "describe_bad_rows", "load_rows",
            "split_held_out", "without_tasks"]

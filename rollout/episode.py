@@ -1,40 +1,62 @@
-"""`run_episode`: the one loop between an env, an agent and an engine (training and evaluation).
+"""The one episode loop: `EpisodeRequest` in, `Trajectory` out, for training and evaluation.
 
-Every turn: the agent's token ids go to the engine; the sampled tokens are appended to the agent
-exactly as returned and parsed into an assistant message; the env steps on that message; its
-observation is rendered by the agent as a delta. Failures never escape as exceptions: an env that
-raises, an engine that fails after its retries, an env step that outlives ``step_timeout_s`` or a
-context that overflows end the episode with a stop reason (``error``, ``timeout``, ``truncated``)
-and the error text on the `Trajectory` -- a bad rollout is data, not a crash. So does a reward
-that is not a finite number (NaN, inf, a string, None): the episode fails with the reason instead
-of poisoning its group's advantages and the step's loss.
+`play_episode(request)` looks at the env's ``episode_kind`` (`palaestra.episode_info.EpisodeKind`)
+and hands the request to that kind's runner in `RUNNERS`:
+
+- ``stepped`` (every gymnasium env): `play_stepped`, the loop below;
+- ``external_agent`` (`palaestra.envs.ExternalAgentEnv`): the agent program plays its episode
+  through the agent gateway (`palaestra.rollout.gateway.agent_episode.run_agent_episode`);
+- ``posted`` (the gateway's external env): one trajectory posted to the buffer is claimed
+  (`palaestra.rollout.gateway.external.run_external_episode`).
+
+`play_stepped`: every turn the request's `Player` produces the assistant message, the env steps
+on it, the player takes the observation. Two players exist: `TokenPlayer` (an `Agent` and an
+`Engine`: token ids in, sampled ids appended exactly, the training path) and the message-level
+`palaestra.benchmarks.chat_episode.ChatPlayer` (a chat API, for evaluating API models).
+Failures never escape as exceptions: an env that raises, an engine that fails after its retries,
+an env step that outlives ``step_timeout_s`` or a context that overflows end the episode with a
+stop reason (``error``, ``timeout``, ``truncated``) and the error text on the `Trajectory` -- a
+bad rollout is data, not a crash. So does a reward that is not a finite number (NaN, inf, a
+string, None): the episode fails with the reason instead of poisoning its group's advantages.
 
 Partial rollout: a generation that comes back with ``finish_reason == "abort"`` (weight update,
-shutdown) ends the call with stop reason ``aborted``; its tokens are already in the agent (with the version
-of the weights that sampled them). Calling `run_episode` again with the same env, agent and
+shutdown) ends the call with stop reason ``aborted``; its tokens are already in the agent (with
+the version of the weights that sampled them). Playing the same request again with the same
 `EpisodeState` continues that turn from those tokens, so one turn can carry two versions.
+
+Branching and checkpoints: ``halt_at_turn`` stops the loop before that turn with the episode
+still live (stop reason ``aborted``, ``state.halted_at`` set, no sample), so a branching group
+(`palaestra.rollout.branching`) can fork it there, and ``state.turn_requests`` is the request
+count at the start of the current turn, where `palaestra.rollout.inflight` rolls a saved
+episode back to (its resumed turn then samples with the same seed).
+
+`run_episode(env, agent, engine, sampling, ...)` is the token-level request written as a call.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
-import importlib
 import math
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from time import perf_counter, thread_time
-from typing import Any, TypeVar
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from palaestra.rollout.engines.base import Engine, SamplingParams
-from palaestra.types import Sample, StopReason, Trajectory, Turn
+from palaestra.engine import SamplingParams, TokenGenerator
+from palaestra.episode_info import EpisodeKind, ResetInfo, StepInfo
+from palaestra.types import Message, Sample, StopReason, Trajectory, Turn
+
+if TYPE_CHECKING:
+    from palaestra.agents.agent import Agent
+    from palaestra.contracts import RolloutEnv
 
 T = TypeVar("T")
 
 
 @dataclass
 class EpisodeState:
-    """Progress of one episode; pass it to `run_episode` again to resume an aborted episode."""
+    """Progress of one episode; play the same request with it again to resume an aborted one."""
 
     started: bool = False
     task_id: str = ""
@@ -47,12 +69,110 @@ class EpisodeState:
     env_s: float = 0.0
     agent_s: float = 0.0  # CPU time (the agent's calls are synchronous: no queueing in it)
     wall_s: float = 0.0
+    stage: str = "env.reset"  # what the episode was doing (named in an error)
+    halted_at: int | None = None  # turns played when ``halt_at_turn`` stopped the loop
+    turn_requests: int = 0  # ``requests`` when the current turn began (a resume rolls back to it)
+
+
+@dataclass(frozen=True)
+class Move:
+    """A player's turn: the assistant message, or the stop reason that ends the episode first
+    (``action`` may be set with ``stop``: a cut-off message is kept in the conversation)."""
+
+    action: Message | None = None
+    stop: StopReason | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a player adds to the trajectory when the episode ends."""
+
+    samples: tuple[Sample, ...] = ()
+    messages: tuple[Message, ...] = ()
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    error: str | None = None  # set when building the result failed (the episode fails)
+
+
+class Player(Protocol):
+    """Who writes the assistant's turns of a stepped episode (see the module docstring)."""
+
+    def start(self, observation: Sequence[Message], reset: ResetInfo, st: EpisodeState) -> None:
+        """Begin the episode with the env's first observation."""
+
+    async def act(self, request: EpisodeRequest, st: EpisodeState) -> Move:
+        """The next assistant message (set ``st.stage`` to what is running, for errors)."""
+
+    def observe(self, observation: Sequence[Message], st: EpisodeState) -> bool:
+        """Take the env's answer; False when it does not fit (the episode is truncated)."""
+
+    def outcome(self, request: EpisodeRequest, st: EpisodeState, stop: StopReason) -> Outcome:
+        """Samples, conversation and metrics of the episode as it ended (``st.started`` False:
+        the reset failed; stop reason ``aborted``: it is resumed later, no sample yet)."""
+
+
+@dataclass(frozen=True)
+class EpisodeRequest:
+    """One episode to play: the env, who plays it, how to sample, and the episode's limits.
+
+    ``state``: pass the `EpisodeState` of an aborted episode to resume it (token level).
+    """
+
+    env: RolloutEnv  # its class's ``episode_kind`` picks the runner (a runner narrows it)
+    player: Player
+    sampling: SamplingParams
+    seed: int | None = None
+    task: Mapping[str, Any] | None = None
+    session_id: str | None = None
+    max_turns: int | None = None
+    step_timeout_s: float | None = None
+    env_id: str = ""
+    group_id: str = ""
+    state: EpisodeState | None = None
+    #: stop before sampling turn ``halt_at_turn`` (0-based), the episode still live: stop reason
+    #: ``aborted`` with ``state.halted_at`` set, no sample; a branching group forks it there
+    halt_at_turn: int | None = None
+
+    @property
+    def resolved_env_id(self) -> str:
+        """``env_id``, else the env's registered id, else its class name."""
+        spec = getattr(self.env, "spec", None)
+        return self.env_id or str(getattr(spec, "id", "") or type(self.env).__name__)
+
+    def reset_options(self) -> dict[str, Any] | None:
+        return {"task": dict(self.task)} if self.task is not None else None
+
+
+EpisodeRunner = Callable[[EpisodeRequest], Awaitable[Trajectory]]
+
+
+# ---------------------------------------------------------------------- the runners of each kind
+async def _external_agent(request: EpisodeRequest) -> Trajectory:
+    from palaestra.rollout.gateway.agent_episode import run_agent_episode
+
+    return await run_agent_episode(request)
+
+
+async def _posted(request: EpisodeRequest) -> Trajectory:
+    from palaestra.rollout.gateway.external import run_external_episode
+
+    return await run_external_episode(request)
+
+
+async def play_episode(request: EpisodeRequest) -> Trajectory:
+    """Play one episode with the runner of the env's kind; never raises on failure."""
+    kind = getattr(request.env, "episode_kind", EpisodeKind.STEPPED)
+    runner = RUNNERS.get(kind)
+    if runner is None:
+        known = ", ".join(k.value for k in RUNNERS)
+        return failed_trajectory(request, f"episode: {type(request.env).__name__} declares "
+                                 f"episode_kind {kind!r}; known kinds: {known}")
+    return await runner(request)
 
 
 async def run_episode(
-    env: Any,
-    agent: Any,
-    engine: Engine,
+    env: RolloutEnv,
+    agent: Agent,
+    engine: TokenGenerator,
     sampling: SamplingParams,
     *,
     seed: int | None = None,
@@ -63,79 +183,52 @@ async def run_episode(
     env_id: str = "",
     group_id: str = "",
     state: EpisodeState | None = None,
+    halt_at_turn: int | None = None,
 ) -> Trajectory:
-    """Play one episode (or resume ``state``) and return its trajectory; never raises on failure.
+    """Play one token-level episode (or resume ``state``): `play_episode` of the request with a
+    `TokenPlayer` of ``agent`` and ``engine``; never raises on failure."""
+    return await play_episode(EpisodeRequest(
+        env, TokenPlayer(agent, engine), sampling, seed=seed, task=task, session_id=session_id,
+        max_turns=max_turns, step_timeout_s=step_timeout_s, env_id=env_id, group_id=group_id,
+        state=state, halt_at_turn=halt_at_turn,
+    ))
 
-    An env that plays its episodes itself (an external agent program: ``episode_runner =
-    "module:function"`` on the env class) is handed to that function with the same arguments.
-    """
-    runner = getattr(env, "episode_runner", None)
-    if runner is not None:
-        return await _runner(runner)(  # type: ignore[no-any-return]
-            env, agent, engine, sampling, seed=seed, task=task, session_id=session_id,
-            max_turns=max_turns, step_timeout_s=step_timeout_s, env_id=env_id,
-            group_id=group_id, state=state,
-        )
-    st = state if state is not None else EpisodeState()
+
+# ---------------------------------------------------------------------- the stepped loop
+async def play_stepped(request: EpisodeRequest) -> Trajectory:
+    """The reset/act/step/observe loop of a stepped env (see the module docstring)."""
+    env, player, timeout_s = request.env, request.player, request.step_timeout_s
+    st = request.state if request.state is not None else EpisodeState()
     began = perf_counter()
-    env_id = env_id or _env_id(env)
     stop: StopReason | None = None
     error: str | None = None
-    stage = "env.reset"
     try:
         if not st.started:
-            options = {"task": dict(task)} if task is not None else None
+            st.stage = "env.reset"
             t = perf_counter()
-            obs, info = await _bounded(env.areset(seed=seed, options=options), step_timeout_s)
+            obs, info = await _bounded(env.areset(seed=request.seed,
+                                                  options=request.reset_options()), timeout_s)
             st.env_s += perf_counter() - t
-            st.task_id = str(info.get("task_id", ""))
-            stage = "agent.start"
-            t = thread_time()
-            agent.start(obs, info.get("tools") or ())
-            st.agent_s += thread_time() - t
+            reset = ResetInfo.from_info(info)
+            st.task_id = reset.task_id
+            player.start(obs, reset, st)
             st.started = True
-        st.seed = sampling.seed
-        stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *agent.stop_token_ids)))
-        base = replace(sampling, stop_token_ids=stops)
+        st.seed = request.sampling.seed
         while stop is None:
-            if max_turns is not None and len(st.turns) >= max_turns:
+            if request.max_turns is not None and len(st.turns) >= request.max_turns:
                 stop = StopReason.TRUNCATED
                 break
-            stage = "engine"
-            budget = agent.remaining_context()
-            if budget <= 0:
-                stop = StopReason.TRUNCATED
+            if request.halt_at_turn is not None and len(st.turns) >= request.halt_at_turn:
+                st.halted_at, stop = len(st.turns), StopReason.ABORTED
                 break
-            # a resumed turn may only sample what its first part left of the per-turn budget
-            turn_budget = base.max_new_tokens - st.partial_tokens
-            if turn_budget <= 0:
-                stop = StopReason.MAX_TOKENS
+            move = await player.act(request, st)
+            if move.stop is not None or move.action is None:
+                stop = move.stop or StopReason.ERROR
                 break
-            max_new = min(turn_budget, budget)
-            params = base if max_new == base.max_new_tokens else replace(base, max_new_tokens=max_new)
-            if base.seed is not None:
-                params = replace(params, seed=base.seed + st.requests)
-            rid = f"{session_id}:{st.requests}" if session_id else None
-            st.requests += 1
+            st.stage = "env.step"
             t = perf_counter()
-            gen = await engine.generate(agent.input_ids, params, request_id=rid, session_id=session_id)
-            st.engine_s += perf_counter() - t
-            stage = "agent.parse"
-            t = thread_time()
-            action = agent.on_generation(gen)  # an aborted turn is continued by the next call
-            st.agent_s += thread_time() - t
-            if gen.finish_reason == "abort":
-                st.partial_tokens += len(gen.token_ids)
-                st.aborts += 1
-                stop = StopReason.ABORTED
-                break
-            st.partial_tokens = 0
-            if gen.finish_reason == "length":
-                stop = StopReason.TRUNCATED if max_new < turn_budget else StopReason.MAX_TOKENS
-                break
-            stage = "env.step"
-            t = perf_counter()
-            obs, reward, terminated, truncated, info = await _bounded(env.astep(action), step_timeout_s)
+            obs, reward, terminated, truncated, info = await _bounded(env.astep(move.action),
+                                                                      timeout_s)
             st.env_s += perf_counter() - t
             value = finite_reward(reward)
             if value is None:
@@ -144,88 +237,152 @@ async def run_episode(
                          f"{len(st.turns)} is not a finite number; the env's reward must be an "
                          "int or float")
                 break
-            st.turns.append(Turn(action, obs, value, info))
+            step = StepInfo.from_info(info)
+            st.turns.append(Turn(move.action, tuple(obs), value, info))
+            st.turn_requests = st.requests
             if terminated or truncated:
                 default = StopReason.TERMINATED if terminated else StopReason.TRUNCATED
-                stop = StopReason(info.get("stop_reason") or default)
+                stop = step.stop_reason or default
                 break
-            stage = "agent.observe"
-            t = thread_time()
-            if not agent.on_observation(obs):
+            st.stage = "agent.observe"
+            if not player.observe(obs, st):
                 stop = StopReason.TRUNCATED
-            st.agent_s += thread_time() - t
     except (TimeoutError, asyncio.TimeoutError) as exc:
-        limit = f" after {step_timeout_s} s" if stage.startswith("env") and step_timeout_s else ""
+        stage = st.stage
+        limit = f" after {timeout_s} s" if stage.startswith("env") and timeout_s else ""
         stop, error = StopReason.TIMEOUT, f"{stage}: timed out{limit} {exc}".rstrip()
     except Exception as exc:  # noqa: BLE001 -- a bad rollout is data, not a crash
-        stop, error = StopReason.ERROR, f"{stage}: {type(exc).__name__}: {exc}"
+        stop, error = StopReason.ERROR, f"{st.stage}: {type(exc).__name__}: {exc}"
     st.wall_s += perf_counter() - began
-    return _trajectory(st, agent, stop, error, env_id, group_id)
+    return _trajectory(request, st, stop, error)
 
 
 def _trajectory(
-    st: EpisodeState,
-    agent: Any,
-    stop: StopReason,
-    error: str | None,
-    env_id: str,
-    group_id: str,
+    request: EpisodeRequest, st: EpisodeState, stop: StopReason, error: str | None
 ) -> Trajectory:
     turn_rewards = tuple(t.reward for t in st.turns)
     reward = float(sum(turn_rewards))
-    samples: tuple[Sample, ...] = ()
-    messages: tuple[Any, ...] = ()
-    if st.started and stop is not StopReason.ABORTED:
-        try:
-            sample = agent.to_sample(
-                reward=reward,
-                turn_rewards=turn_rewards,
-                stop_reason=stop,
-                env_id=env_id,
-                task_id=st.task_id,
-                group_id=group_id,
-            )
-            samples = (sample,)
-            messages = tuple(agent.messages)
-        except Exception as exc:  # noqa: BLE001 -- recorded on the trajectory
-            stop = StopReason.ERROR
-            error = error or f"agent.to_sample: {type(exc).__name__}: {exc}"
-    tool_calls = sum(int(t.info.get("tool_calls", 0)) for t in st.turns)
-    tool_errors = sum(int(t.info.get("tool_errors", 0)) for t in st.turns)
+    outcome = request.player.outcome(request, st, stop)
+    if outcome.error is not None:
+        stop, error = StopReason.ERROR, error or outcome.error
+    steps = [StepInfo.from_info(t.info) for t in st.turns]
     metrics = {
         "turns": float(len(st.turns)),
-        "tool_calls": float(tool_calls),
-        "tool_errors": float(tool_errors),
-        "response_tokens": float(samples[0].num_sampled) if samples else 0.0,
-        "total_tokens": float(samples[0].num_tokens) if samples else 0.0,
+        "tool_calls": float(sum(s.tool_calls or 0 for s in steps)),
+        "tool_errors": float(sum(s.tool_errors or 0 for s in steps)),
         "engine_s": st.engine_s,
         "env_s": st.env_s,
-        "agent_s": st.agent_s,
         "wall_s": st.wall_s,
         "requests": float(st.requests),
-        "aborts": float(st.aborts),
     }
-    if st.seed is not None:
-        metrics["seed"] = float(st.seed)  # exact in a float: seeds are 31-bit
-    sandbox_s = sum(float(t.info.get("sandbox_s", 0.0)) for t in st.turns)
+    sandbox_s = sum(s.sandbox_s or 0.0 for s in steps)
     if sandbox_s:
         metrics["sandbox_s"] = sandbox_s
-    if samples:
-        metrics.update({k: float(v) for k, v in samples[0].metrics.items()})
+    metrics.update(outcome.metrics)
     return Trajectory(
-        env_id=env_id,
+        env_id=request.resolved_env_id,
         task_id=st.task_id,
-        messages=messages,
+        messages=outcome.messages,
         turns=tuple(st.turns),
-        samples=samples,
+        samples=outcome.samples,
         reward=reward,
         stop_reason=stop,
         error=error,
         metrics=metrics,
-        group_id=group_id,
+        group_id=request.group_id,
     )
 
 
+def failed_trajectory(request: EpisodeRequest, error: str, task_id: str = "") -> Trajectory:
+    """The trajectory of an episode that could not be played (stop reason ``error``)."""
+    return Trajectory(env_id=request.resolved_env_id, task_id=task_id, messages=(), turns=(),
+                      samples=(), reward=0.0, stop_reason=StopReason.ERROR, error=error,
+                      group_id=request.group_id)
+
+
+# ---------------------------------------------------------------------- the token-level player
+class TokenPlayer:
+    """Turns sampled by an `Engine` from an `Agent`'s exact token ids (the training path)."""
+
+    def __init__(self, agent: Agent, engine: TokenGenerator) -> None:
+        self.agent = agent
+        self.engine = engine
+
+    def start(self, observation: Sequence[Message], reset: ResetInfo, st: EpisodeState) -> None:
+        st.stage = "agent.start"
+        t = thread_time()
+        self.agent.start(observation, reset.tools)
+        st.agent_s += thread_time() - t
+
+    async def act(self, request: EpisodeRequest, st: EpisodeState) -> Move:
+        agent, sampling = self.agent, request.sampling
+        stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *agent.stop_token_ids)))
+        base = sampling if stops == sampling.stop_token_ids else replace(
+            sampling, stop_token_ids=stops)
+        st.stage = "engine"
+        budget = agent.remaining_context()
+        if budget <= 0:
+            return Move(stop=StopReason.TRUNCATED)
+        # a resumed turn may only sample what its first part left of the per-turn budget
+        turn_budget = base.max_new_tokens - st.partial_tokens
+        if turn_budget <= 0:
+            return Move(stop=StopReason.MAX_TOKENS)
+        max_new = min(turn_budget, budget)
+        params = base if max_new == base.max_new_tokens else replace(base, max_new_tokens=max_new)
+        if base.seed is not None:
+            params = replace(params, seed=base.seed + st.requests)
+        sid = request.session_id
+        rid = f"{sid}:{st.requests}" if sid else None
+        st.requests += 1
+        t = perf_counter()
+        gen = await self.engine.generate(agent.input_ids, params, request_id=rid, session_id=sid)
+        st.engine_s += perf_counter() - t
+        st.stage = "agent.parse"
+        t = thread_time()
+        action = agent.on_generation(gen)  # an aborted turn is continued by the next call
+        st.agent_s += thread_time() - t
+        if gen.finish_reason == "abort":
+            st.partial_tokens += len(gen.token_ids)
+            st.aborts += 1
+            return Move(action, StopReason.ABORTED)
+        st.partial_tokens = 0
+        if gen.finish_reason == "length":
+            stop = StopReason.TRUNCATED if max_new < turn_budget else StopReason.MAX_TOKENS
+            return Move(action, stop)
+        return Move(action)
+
+    def observe(self, observation: Sequence[Message], st: EpisodeState) -> bool:
+        t = thread_time()
+        try:
+            return self.agent.on_observation(observation)
+        finally:
+            st.agent_s += thread_time() - t
+
+    def outcome(self, request: EpisodeRequest, st: EpisodeState, stop: StopReason) -> Outcome:
+        metrics: dict[str, float] = {"agent_s": st.agent_s, "aborts": float(st.aborts),
+                                     "response_tokens": 0.0, "total_tokens": 0.0}
+        if st.seed is not None:
+            metrics["seed"] = float(st.seed)  # exact in a float: seeds are 31-bit
+        if not st.started or stop is StopReason.ABORTED:
+            return Outcome(metrics=metrics)
+        try:
+            sample = self.agent.to_sample(
+                reward=float(sum(t.reward for t in st.turns)),
+                turn_rewards=tuple(t.reward for t in st.turns),
+                stop_reason=stop,
+                env_id=request.resolved_env_id,
+                task_id=st.task_id,
+                group_id=request.group_id,
+            )
+        except Exception as exc:  # noqa: BLE001 -- recorded on the trajectory
+            return Outcome(metrics=metrics, error=f"agent.to_sample: {type(exc).__name__}: {exc}")
+        metrics["response_tokens"] = float(sample.num_sampled)
+        metrics["total_tokens"] = float(sample.num_tokens)
+        metrics.update({k: float(v) for k, v in sample.metrics.items()})
+        return Outcome((sample,), tuple(self.agent.messages), metrics)
+
+
+# ---------------------------------------------------------------------- helpers
 def finite_reward(reward: Any) -> float | None:
     """``reward`` as a float, or None when it is not a finite number (NaN, inf, str, None...)."""
     if isinstance(reward, (str, bytes, bytearray)):  # float("1") would accept them
@@ -237,17 +394,6 @@ def finite_reward(reward: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-@functools.cache
-def _runner(target: str) -> Any:
-    module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def _env_id(env: Any) -> str:
-    spec = getattr(env, "spec", None)
-    return str(getattr(spec, "id", "") or type(env).__name__)
-
-
 async def _bounded(awaitable: Awaitable[T], timeout_s: float | None) -> T:
     if timeout_s is None:
         return await awaitable
@@ -257,4 +403,26 @@ async def _bounded(awaitable: Awaitable[T], timeout_s: float | None) -> T:
     return await asyncio.wait_for(awaitable, timeout_s)
 
 
-__all__ = ["EpisodeState", "finite_reward", "run_episode"]
+#: the runner of each episode kind (read-only: a kind is part of the env contract in core)
+RUNNERS: Mapping[EpisodeKind, EpisodeRunner] = MappingProxyType({
+    EpisodeKind.STEPPED: play_stepped,
+    EpisodeKind.EXTERNAL_AGENT: _external_agent,
+    EpisodeKind.POSTED: _posted,
+})
+
+
+__all__ = [
+    "RUNNERS",
+    "EpisodeRequest",
+    "EpisodeRunner",
+    "EpisodeState",
+    "Move",
+    "Outcome",
+    "Player",
+    "TokenPlayer",
+    "failed_trajectory",
+    "finite_reward",
+    "play_episode",
+    "play_stepped",
+    "run_episode",
+]

@@ -6,7 +6,7 @@
         for step in range(steps):
             batch = await manager.generate_batch(step)      # RolloutBatch(samples, trajectories, metrics)
             ...train on batch.samples...
-            await manager.update_weights(state_dict)        # pause engines, push, resume
+            await manager.update_weights(push=sync.weights_of(backend))  # pause, push, resume
 
 Batches: the manager draws tasks (requeued ones first), hands each worker groups through one
 long-poll call per worker (`RolloutWorker.exchange`), judges every finished group (failure policy,
@@ -46,12 +46,14 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import CheckpointError, ConfigError, EngineError, RolloutError
-from palaestra.rollout.cluster import WorkerHandle, WorkerPool
+from palaestra.rollout.branching import Branching
+from palaestra.rollout.cluster import WorkerClient, WorkerPool
 from palaestra.rollout.config import RolloutConfig, WorkerConfig
 from palaestra.rollout.data import DataSource, _mix
 from palaestra.rollout.engines.base import Engine
 from palaestra.rollout.groups import judge_group, resolve_filters
 from palaestra.rollout.metrics import summarize
+from palaestra.rollout.weight_push import WeightPush
 from palaestra.rollout.worker import GroupResult, GroupTask
 from palaestra.types import Sample, Trajectory
 
@@ -105,7 +107,7 @@ class RolloutManager:
         worker_config: WorkerConfig,
         config: RolloutConfig | None = None,
         *,
-        cluster: str = "ray",
+        cluster: str | None = None,
         address: str | None = None,
         engine: Engine | None = None,
         pool: WorkerPool | None = None,
@@ -115,6 +117,7 @@ class RolloutManager:
         self.data = data
         self.worker_config = worker_config
         self.config = config or RolloutConfig()
+        self.config.check()  # a config built by model_validate/model_copy skipped its __init__
         if exact and self.config.mode != "sync":
             raise ConfigError(
                 "exact batches need mode='sync': in async mode batch k+1 is sampled while step k "
@@ -129,8 +132,8 @@ class RolloutManager:
         self.pool = pool or WorkerPool(
             worker_config,
             self.config.num_workers,
-            cluster=cluster,
-            address=address,
+            cluster=cluster or self.config.cluster,  # the arguments win over the config's
+            address=address or self.config.ray_address,
             num_cpus=self.config.worker_num_cpus,
             engine=engine,
         )
@@ -145,11 +148,12 @@ class RolloutManager:
         self._paused = False
         self._seq = 0
         self._ordinal: dict[str, int] = {}  # group id -> draw order
+        self._restore: list[Any] = []  # saved in-flight groups of a checkpoint (load_state_dict)
         self.version = 0
 
     # ----- lifecycle ---------------------------------------------------------------------------
     @property
-    def _handles(self) -> list[WorkerHandle]:
+    def _handles(self) -> list[WorkerClient]:
         return self.pool.handles
 
     async def start(self) -> None:
@@ -166,8 +170,10 @@ class RolloutManager:
             self._control = self.worker_config.engine.build()
         if self._control is not None:
             # engines keep a pause across clients (an earlier run may have left them paused)
-            await self._on_engines("resume")
+            await self._on_engines("resume", lambda e: e.resume())
             self.version = self._control.weight_version
+        if self._restore:  # in-flight groups of a checkpoint: on from their last turns
+            await self._restore_inflight()
 
     async def close(self) -> None:
         if self._prefetch is not None:
@@ -178,12 +184,12 @@ class RolloutManager:
             fut.cancel()
         self._polls.clear()
         if self._paused and self._control is not None:  # leave shared engines running
-            await self._on_engines("resume")
+            await self._on_engines("resume", lambda e: e.resume())
         self._paused = False
         if self._own_pool:
             await self.pool.close()
         elif self._handles:  # a shared pool: stop this run's episodes, keep the processes
-            await asyncio.gather(*(h.call("shutdown") for h in self._handles))
+            await asyncio.gather(*(h.shutdown() for h in self._handles))
         self._started = False
         if self._control is not None and self._engine is None:
             await self._control.close()
@@ -248,6 +254,10 @@ class RolloutManager:
             st.finished, trajectories, c, perf_counter() - st.began,
             pass_threshold=cfg.pass_threshold,
         )
+        if self.worker_config.rewards is not None:  # reward/<name>: each [[rewards]] part
+            from palaestra.rollout.rewards.scoring import part_metrics
+
+            metrics.update(part_metrics(trajectories))
         metrics["staleness/max"] = float(max(staleness, default=0))
         metrics["staleness/mean"] = sum(staleness) / max(len(staleness), 1)
         for key, value in self._ledger().items():
@@ -274,7 +284,7 @@ class RolloutManager:
                 if h.index not in self._polls:
                     room = min(target - len(self._inflight), share - loaded[h.index])
                     new = self._draw(h.index, room)
-                    self._polls[h.index] = asyncio.ensure_future(h.call("exchange", new, None))
+                    self._polls[h.index] = asyncio.ensure_future(h.exchange(new))
             if not self._inflight and not self._can_draw():
                 return False
             done, _ = await asyncio.wait(
@@ -305,6 +315,8 @@ class RolloutManager:
                     break
                 self._seq += 1
                 n = self.config.group_size
+                tree = self.config.branching
+                branching = tree.spec() if tree is not None else None
                 base = _mix(self.seed, item.seed, 2)  # the run's seed, then the draw's
                 task = GroupTask(
                     group_id=f"g{self._seq}",
@@ -312,6 +324,7 @@ class RolloutManager:
                     task=dict(item.task),
                     task_id=item.task_id,
                     seeds=tuple(_mix(base, i, 1) for i in range(n)),
+                    branching=branching,
                 )
                 self._ordinal[task.group_id] = self._seq
                 c["groups/drawn"] += 1
@@ -410,24 +423,24 @@ class RolloutManager:
             return
         self._paused = True
         if self._control is not None:  # shared engines: one abort-all instead of one per request
-            await asyncio.gather(*(h.call("close_gate") for h in self._handles))
+            await asyncio.gather(*(h.close_gate() for h in self._handles))
             # abort while the engines still run: SGLang finishes an aborted running request on
             # its next decode step, which a paused scheduler never takes; abort once more after
             # the pause for a request that was on the wire during the first one
-            await self._on_engines("abort")
-            await self._on_engines("pause")
-            await self._on_engines("abort")
+            await self._on_engines("abort", lambda e: e.abort())
+            await self._on_engines("pause", lambda e: e.pause())
+            await self._on_engines("abort", lambda e: e.abort())
         reports = await asyncio.gather(
-            *(h.call("pause", self._control is None) for h in self._handles)
+            *(h.pause(abort=self._control is None) for h in self._handles)
         )
-        self._step.counters["groups/parked"] += sum(r["parked_groups"] for r in reports)
-        self._step.counters["episodes/parked"] += sum(r["parked_episodes"] for r in reports)
+        self._step.counters["groups/parked"] += sum(r.parked_groups for r in reports)
+        self._step.counters["episodes/parked"] += sum(r.parked_episodes for r in reports)
 
     async def resume(self) -> None:
         """Continue generation; parked episodes go on from their tokens."""
         if self._control is not None:
-            await self._on_engines("resume")
-        restarted = await asyncio.gather(*(h.call("resume") for h in self._handles))
+            await self._on_engines("resume", lambda e: e.resume())
+        restarted = await asyncio.gather(*(h.resume() for h in self._handles))
         self._step.counters["episodes/resumed"] += sum(restarted)
         self._paused = False
 
@@ -437,15 +450,22 @@ class RolloutManager:
         *,
         path: str | None = None,
         version: int | None = None,
-        push: Callable[[Engine | None], Awaitable[None]] | None = None,
+        push: WeightPush | None = None,
     ) -> dict[str, float]:
-        """Pause generation, push new weights (``push`` for custom transfers), resume.
+        """Pause generation, push new weights, resume; returns the time of each phase.
 
-        Shared engines get the weights through the manager's control client, owned engines
-        through their workers. Returns the time of each phase.
+        ``push`` moves the weights (the trainer's `EngineSync.weights_of(backend)`); without it
+        the manager sends ``state_dict`` or the checkpoint at ``path`` (or, with neither, only
+        the new version tag) itself (`EngineWeights`): to shared engines through its control
+        client, to owned engines through their workers.
         """
         await self.start()
+        if push is not None and (state_dict is not None or path is not None):
+            raise ConfigError("update_weights: give the weights either as push= or as "
+                              "state_dict/path, not both")
         new_version = self.version + 1 if version is None else int(version)
+        if push is None:
+            push = EngineWeights(self, state_dict, path)
         t0 = perf_counter()
         # an engine that swaps weights between two decode steps (LocalEngine) needs no parking:
         # in-flight episodes go on and record the version change in their tokens' spans
@@ -453,38 +473,57 @@ class RolloutManager:
         if not in_place:
             await self.pause()
         t1 = perf_counter()
-        if push is not None:
-            await push(self._control)
-        elif self._control is not None:
-            await self._on_engines("update_weights", state_dict, path=path, version=new_version)
-        else:
-            await asyncio.gather(
-                *(h.call("update_weights", new_version, state_dict, path) for h in self._handles)
-            )
+        await push.push(new_version)
         self.version = new_version
         t2 = perf_counter()
         if not in_place:
             await self.resume()
         return {"pause_s": t1 - t0, "push_s": t2 - t1, "resume_s": perf_counter() - t2}
 
-    async def _on_engines(self, method: str, *args: Any, **kwargs: Any) -> None:
+    async def _on_engines(self, what: str, call: Callable[[Engine], Awaitable[None]]) -> None:
         """A control call on the shared engines; a dead engine is counted, not fatal, as long as
         one engine still answers (the router has taken the dead one out of rotation)."""
         assert self._control is not None
         try:
-            await getattr(self._control, method)(*args, **kwargs)
+            await call(self._control)
         except EngineError as exc:
-            self._step.counters[f"engines/{method}_errors"] += 1
+            self._step.counters[f"engines/{what}_errors"] += 1
             if not await self._control.health():
-                raise RolloutError(f"no engine answers any more ({method}: {exc})") from exc
+                raise RolloutError(f"no engine answers any more ({what}: {exc})") from exc
 
     # ----- checkpoints -------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """Data position, version and the tasks not yet trained on (restarted on load)."""
-        pending = [*self._queue, *(t for _, t in self._inflight.values()),
-                   *(r.task for r in self._ready)]
+    async def checkpoint_state(self) -> dict[str, Any]:
+        """`state_dict` with the groups in flight saved whole (async mode, where episodes run
+        across a checkpoint): the workers' gates close, running generations finish (none is
+        cut), every episode parks at its next generation, the workers hand over their groups
+        (`RolloutWorker.inflight_state`: tokens, logprobs, versions, env snapshot) and go on.
+        With nothing in flight (sync mode's exact batches) it is `state_dict()`."""
+        if not (self._handles and self._inflight):
+            return self.state_dict()
+        handles = list(self._handles)
+        await asyncio.gather(*(h.close_gate() for h in handles))
+        try:
+            await asyncio.gather(*(h.pause(abort=False) for h in handles))
+            saved = await asyncio.gather(*(h.inflight_state() for h in handles))
+            for index, fut in list(self._polls.items()):  # results already back: absorb them
+                if fut.done():
+                    del self._polls[index]
+                    self._absorb(index, fut)
+            return self.state_dict(inflight=[g for part in saved for g in part])
+        finally:
+            if not self._paused:
+                await asyncio.gather(*(h.resume() for h in handles))
+
+    def state_dict(self, inflight: list[Any] | None = None) -> dict[str, Any]:
+        """Data position, version and the tasks not yet trained on (restarted on load); with
+        ``inflight`` (`checkpoint_state`: the workers' saved groups) those groups, and the ready
+        ones, are saved whole under ``"inflight"`` and go on from where they were on load."""
+        saved = {g.task.group_id: g for g in inflight or () if g.task.group_id in self._inflight}
+        pending = [*self._queue, *(t for g, (_, t) in self._inflight.items() if g not in saved)]
+        if inflight is None:
+            pending += [r.task for r in self._ready]
         pending.sort(key=lambda t: self._ordinal.get(t.group_id, 0))  # restarted in draw order
-        return {
+        state = {
             "data": self.data.state_dict(),
             "version": self.version,
             "seq": self._seq,
@@ -492,6 +531,14 @@ class RolloutManager:
             "ordinals": [self._ordinal.get(t.group_id, 0) for t in pending],
             "totals": dict(self._totals),  # the ledger goes on where it stopped
         }
+        if inflight is not None:
+            from palaestra.rollout.inflight import encode_inflight
+
+            ready = [(r.task, r.usable) for r in self._ready]
+            ordinals = {g: self._ordinal.get(g, 0)
+                        for g in [*saved, *(r.task.group_id for r in self._ready)]}
+            state["inflight"] = encode_inflight(list(saved.values()), ready, ordinals)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if self._inflight or self._ready:
@@ -499,18 +546,43 @@ class RolloutManager:
         self.data.load_state_dict(state["data"])
         self.version = int(state["version"])
         self._seq = int(state["seq"])
-        tasks = [GroupTask(**{**d, "seeds": tuple(d["seeds"])}) for d in state["pending"]]
+        tasks = [GroupTask(**{**d, "seeds": tuple(d["seeds"]),
+                              "branching": _branching(d.get("branching"))})
+                 for d in state["pending"]]
         ordinals = state.get("ordinals") or range(len(tasks))
         self._ordinal.update((t.group_id, int(o)) for t, o in zip(tasks, ordinals))
         self._queue = deque(tasks)
+        if state.get("inflight"):
+            from palaestra.rollout.inflight import decode_inflight
+
+            groups, ready, saved_ordinals = decode_inflight(state["inflight"])
+            self._ordinal.update(saved_ordinals)
+            self._restore = groups
+            self._ready = [_Ready(task, usable, saved_ordinals.get(task.group_id, 0))
+                           for task, usable in ready]
         if "totals" in state:  # the pending tasks are part of its "drawn"
             self._totals = Counter({k: int(v) for k, v in state["totals"].items()})
         else:
             self._totals["drawn"] += len(tasks)
 
+    async def _restore_inflight(self) -> None:
+        """Hand the saved groups of `load_state_dict` to the workers (round robin) and play
+        them on from their last completed turns."""
+        groups, self._restore = self._restore, []
+        handles = list(self._handles)
+        parts: dict[int, list[Any]] = {h.index: [] for h in handles}
+        for i, group in enumerate(groups):
+            h = handles[i % len(handles)]
+            parts[h.index].append(group)
+            self._inflight[group.task.group_id] = (h.index, group.task)
+        restored = await asyncio.gather(*(h.restore_inflight(parts[h.index]) for h in handles))
+        await asyncio.gather(*(h.resume() for h in handles))
+        self._step.counters["episodes/restored"] += sum(restored)
+        self._step.counters["groups/restored"] += len(groups)
+
     async def worker_stats(self) -> list[dict[str, Any]]:
         """Per worker: episodes played, engine time, CPU time, pools, tool cache, engine health."""
-        return list(await asyncio.gather(*(h.call("stats") for h in self._handles)))
+        return list(await asyncio.gather(*(h.stats() for h in self._handles)))
 
     @property
     def exhausted(self) -> bool:
@@ -518,4 +590,31 @@ class RolloutManager:
         return self.data.exhausted and not (self._queue or self._inflight or self._ready)
 
 
-__all__ = ["RolloutBatch", "RolloutManager"]
+def _branching(saved: Any) -> Branching | None:
+    """A saved task's branching (`asdict` made it a dict)."""
+    if saved is None or isinstance(saved, Branching):
+        return saved
+    return Branching(tuple(saved["turns"]), int(saved["width"]))
+
+
+class EngineWeights:
+    """The manager's own `WeightPush`: a state dict or a checkpoint path (neither: only the
+    version tag moves, as for scripted engines) to the shared engines through the manager's
+    control client, or to each worker's own engine when the workers own theirs."""
+
+    def __init__(self, manager: RolloutManager, state_dict: Mapping[str, Any] | None = None,
+                 path: str | None = None) -> None:
+        self.manager = manager
+        self.state_dict = state_dict
+        self.path = path
+
+    async def push(self, version: int) -> None:
+        m, weights, path = self.manager, self.state_dict, self.path
+        if m._control is not None:
+            await m._on_engines("update_weights", lambda e: e.update_weights(
+                weights, path=path, version=version))
+        else:
+            await asyncio.gather(*(h.update_weights(version, weights, path) for h in m._handles))
+
+
+__all__ = ["EngineWeights", "RolloutBatch", "RolloutManager"]

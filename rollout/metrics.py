@@ -65,7 +65,7 @@ def summarize(
         out["drift/checked"] = float(len(drift))
         out["drift/mismatches"] = float(sum(1 for d in drift if d))
 
-    # agents behind the gateway (AgentEnv) and posted trajectories report how their model calls
+    # agents behind the gateway (ExternalAgentEnv) and posted trajectories report how their model calls
     # became samples: sum those counters over the step
     gateway = [t.metrics for t in finished if "prefix_breaks" in t.metrics or "external" in t.metrics]
     if gateway:

@@ -69,12 +69,13 @@ class RetrieverServer:
         self.log_path = Path(log_path) if log_path is not None else None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab") if self.log_path is not None else subprocess.DEVNULL
+        log = open(self.log_path, "ab") if self.log_path is not None else None
         try:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
+            out = subprocess.DEVNULL if log is None else log
+            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
-            if log is not subprocess.DEVNULL:
+            if log is not None:
                 log.close()  # the child holds its own descriptor
 
     @property

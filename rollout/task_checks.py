@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from palaestra.errors import ConfigError, EnvNotFoundError
-from palaestra.rollout.data import ENV_KEYS, describe_bad_rows, jsonl_lines
+from palaestra.jsonl import jsonl_lines
+from palaestra.rollout.data import ENV_KEYS, describe_bad_rows
 
 #: files with at most this many rows are checked whole; larger ones by their first rows
 SCAN_ALL_ROWS = 10_000

@@ -23,7 +23,6 @@ from typing import Any
 
 from palaestra.envs.base import StepResult
 from palaestra.envs.calculator import CalculatorEnv, _format_number, evaluate_arithmetic
-from palaestra.envs.registry import register
 from palaestra.types import Message
 
 FLAKY_ENV_ID = "palaestra-test/FlakyCalculator-v0"
@@ -119,7 +118,8 @@ class FlakyCalculatorEnv(CalculatorEnv):
         return await super().aon_action(action)
 
 
-register(FLAKY_ENV_ID, "palaestra.rollout.testing:FlakyCalculatorEnv")
+#: registered by `palaestra.envs.registry.lookup` when a task names ``FLAKY_ENTRY``
+PALAESTRA_ENVS = {FLAKY_ENV_ID: "palaestra.rollout.testing:FlakyCalculatorEnv"}
 
 __all__ = [
     "FLAKY_ENTRY",

@@ -1,6 +1,7 @@
 """Record/replay of tool results, keyed by (env, task, call), in a JSONL file.
 
-``ToolCache(path, mode)`` wraps an env's tool execution (`ToolEnv.call_tool`) through `attach`:
+``ToolCache(path, mode)`` runs an env's tool calls through `attach`, which injects a per-env
+`CachedTools` as the env's `palaestra.envs.tool_env.ToolRunner` (no env method is replaced):
 ``record`` runs every call and appends its result; ``replay`` answers only from the file and
 raises `ToolCacheMissError` for a call it has not seen (the episode ends with stop reason
 ``error``, so a diverging replay is visible); ``auto`` replays what it has and records the rest.
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from palaestra.envs.base import task_id_of
+from palaestra.envs.tool_env import ToolCallFn
 from palaestra.errors import ConfigError, ToolError
 from palaestra.types import Message, ToolCall
 
@@ -64,13 +66,12 @@ class ToolCache:
         self._fd: int | None = None
 
     def _load(self) -> None:
+        from palaestra.jsonl import read_jsonl
+
         if not self.path.exists():
             return
-        with self.path.open(encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    entry = json.loads(line)
-                    self._entries.setdefault(entry["key"], (entry["content"], entry["is_error"]))
+        for entry in read_jsonl(self.path):  # a bad line: ConfigError naming path:line
+            self._entries.setdefault(entry["key"], (entry["content"], entry["is_error"]))
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -89,15 +90,14 @@ class ToolCache:
 
     def attach(self, env: Any, env_id: str) -> Any:
         """Route ``env``'s tool calls through this cache (returns the same env)."""
-        if not callable(getattr(env, "call_tool", None)):
+        target = getattr(env, "unwrapped", env)
+        use = getattr(target, "use_tool_runner", None)
+        if not callable(use):
             raise ConfigError(
-                f"{type(env).__name__} has no call_tool(call) method; the tool cache wraps "
-                "ToolEnv-style envs"
+                f"{type(target).__name__} has no use_tool_runner(runner) method; the tool cache "
+                "runs the calls of ToolEnv envs"
             )
-        hook = _Attachment(self, env, env_id)
-        env.call_tool = hook.call_tool
-        env.on_reset = hook.on_reset
-        env.snapshot_exclude = (*env.snapshot_exclude, "call_tool", "on_reset")
+        use(CachedTools(self, env_id))
         return env
 
     def stats(self) -> dict[str, int]:
@@ -112,23 +112,20 @@ class ToolCache:
         return {**self.__dict__, "_fd": None}
 
 
-class _Attachment:
-    """Per-env hooks: the wrapped `call_tool` and an `on_reset` that starts a new episode."""
+class CachedTools:
+    """One env's `ToolRunner` over a `ToolCache`: the episode's task id and call occurrences."""
 
-    def __init__(self, cache: ToolCache, env: Any, env_id: str) -> None:
+    def __init__(self, cache: ToolCache, env_id: str) -> None:
         self.cache = cache
         self.env_id = env_id
-        self.original_call = env.call_tool
-        self.original_reset = env.on_reset
         self.task_id = ""
         self.counts: dict[tuple[str, str], int] = {}
 
-    def on_reset(self, task: Mapping[str, Any]) -> None:
+    def start_episode(self, task: Mapping[str, Any]) -> None:
         self.task_id = task_id_of(task)
         self.counts.clear()
-        self.original_reset(task)
 
-    async def call_tool(self, call: ToolCall) -> tuple[Message, bool]:
+    async def run(self, call: ToolCall, execute: ToolCallFn) -> tuple[Message, bool]:
         cache = self.cache
         args = _canonical(call.arguments)
         occurrence = self.counts.get((call.name, args), 0)
@@ -146,7 +143,7 @@ class _Attachment:
                     f"replay: no recorded result for {call.name}({call.arguments}) in task "
                     f"{self.task_id!r} of {self.env_id}; record with mode='record' or use 'auto'"
                 )
-        message, is_error = await self.original_call(call)
+        message, is_error = await execute(call)
         entry = {
             "env_id": self.env_id,
             "task_id": self.task_id,
@@ -162,4 +159,4 @@ def _tool_message(call: ToolCall, content: str) -> Message:
     return Message(role="tool", content=content, tool_call_id=call.id or None, name=call.name)
 
 
-__all__ = ["MODES", "ToolCache", "ToolCacheMissError", "cache_key"]
+__all__ = ["MODES", "CachedTools", "ToolCache", "ToolCacheMissError", "cache_key"]

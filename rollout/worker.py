@@ -8,22 +8,28 @@ engine behind a *gate*: `pause` closes the gate and aborts the worker's in-fligh
 every episode stops at its next generation with stop reason ``aborted`` and is parked together
 with its env, agent and tokens (the worker-local buffer); `resume` reopens the gate and restarts
 the parked episodes, from their tokens (partial rollout) or from scratch.
+
+A group whose task has ``branching`` is played as trees by one asyncio task
+(`palaestra.rollout.branching.play_branching_group`). `inflight_state` (after a pause) saves the
+parked groups at their episodes' last completed turns, and `restore_inflight` re-creates them in
+another worker, maybe in a new process after the old one was killed
+(`palaestra.rollout.inflight`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from time import perf_counter
 from typing import Any
 
+from palaestra.rollout.branching import Branching
 from palaestra.rollout.config import WorkerConfig
-from palaestra.rollout.engines.base import Engine, Generation, SamplingParams
+from palaestra.rollout.engines.base import Engine
 from palaestra.rollout.episode import EpisodeState, run_episode
+from palaestra.rollout.gate import GatedEngine, GcTuning
 from palaestra.types import StopReason, Trajectory
 
 MAX_ABORTS = 100  # an episode aborted more often than this (by the engine itself) fails
@@ -38,6 +44,9 @@ class GroupTask:
     task: dict[str, Any]
     task_id: str
     seeds: tuple[int, ...]
+    #: play the group as trees that fork at these turns (`palaestra.rollout.branching`); the
+    #: seeds are then one per leaf
+    branching: Branching | None = None
 
 
 @dataclass(frozen=True)
@@ -49,54 +58,45 @@ class GroupResult:
     worker: int
 
 
-class _Group:
-    __slots__ = ("active", "agents", "envs", "results", "states", "task")
+@dataclass(frozen=True)
+class PauseReport:
+    """What one worker's `RolloutWorker.pause` parked."""
 
-    def __init__(self, task: GroupTask) -> None:
-        n = len(task.seeds)
-        self.task = task
-        self.states: list[EpisodeState | None] = [None] * n
-        self.envs: list[Any] = [None] * n
-        self.agents: list[Any] = [None] * n
-        self.results: list[Trajectory | None] = [None] * n
-        self.active: set[int] = set()  # episodes with a running task
+    parked_groups: int
+    parked_episodes: int
 
 
-class _GatedEngine:
-    """The worker's view of its engine: refuses new requests while paused, tracks its own."""
+@dataclass
+class _Episode:
+    """One episode of a group: its live state, env and agent while it runs or is parked, and its
+    trajectory once it has finished."""
 
-    def __init__(self, worker: RolloutWorker) -> None:
-        self._w = worker
+    state: EpisodeState | None = None
+    env: Any = None
+    agent: Any = None
+    result: Trajectory | None = None
+    running: bool = False  # an asyncio task plays it now
 
     @property
-    def weight_version(self) -> int:
-        return self._w.engine.weight_version
+    def parked(self) -> bool:
+        return self.result is None and self.state is not None and not self.running
 
-    async def generate(
-        self,
-        input_ids: Sequence[int],
-        sampling: SamplingParams,
-        *,
-        request_id: str | None = None,
-        session_id: str | None = None,
-    ) -> Generation:
-        w = self._w
-        if not w.open:
-            return Generation((), (), "abort", weight_version=w.engine.weight_version)
-        w.inflight += 1
-        if request_id is not None:
-            w.request_ids.add(request_id)
-        t = perf_counter()
-        try:
-            return await w.engine.generate(
-                input_ids, sampling, request_id=request_id, session_id=session_id
-            )
-        finally:
-            w.engine_s += perf_counter() - t
-            w.inflight -= 1
-            w.request_ids.discard(request_id)
-            if w.inflight == 0 and w.drained is not None:
-                w.drained.set()
+
+class _Group:
+    __slots__ = ("episodes", "task")
+
+    def __init__(self, task: GroupTask) -> None:
+        self.task = task
+        self.episodes = [_Episode() for _ in task.seeds]
+
+    @property
+    def running(self) -> bool:
+        return any(e.running for e in self.episodes)
+
+    def results(self) -> tuple[Trajectory, ...] | None:
+        """The trajectories in episode order once every episode has finished, else None."""
+        out = tuple(e.result for e in self.episodes if e.result is not None)
+        return out if len(out) == len(self.episodes) and not self.running else None
 
 
 class RolloutWorker:
@@ -109,16 +109,13 @@ class RolloutWorker:
         self._rng = random.Random(index)
         self._groups: dict[str, _Group] = {}
         self._ready: list[GroupResult] = []
+        self._done_tasks: dict[str, GroupTask] = {}  # the task of each group in ``_ready``
         self._wake: asyncio.Event | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self.open = True
-        self.inflight = 0
-        self.request_ids: set[str] = set()
-        self.drained: asyncio.Event | None = None
-        self.engine_s = 0.0
+        self._gate = GatedEngine()
         self.episodes = 0
         self._cache: Any = None
-        self._frozen = 0
+        self._gc = GcTuning()
         # bumped by `shutdown`: a long-poll still waiting from an earlier run (Ray does not cancel
         # the actor side of a call its caller abandoned) must not take the next run's results
         self._run = 0
@@ -140,7 +137,7 @@ class RolloutWorker:
     def engine(self) -> Engine:
         if self._engine is None:
             self._engine = self._given_engine or self.config.engine.build()
-            self._gate = _GatedEngine(self)
+            self._gate.engine = self._engine
         return self._engine
 
     async def configure(self, config: WorkerConfig) -> None:
@@ -149,7 +146,7 @@ class RolloutWorker:
         self._engine = None
         self._groups.clear()
         self._ready.clear()
-        self.open = True
+        self._gate = GatedEngine()
         self._apply(config)
 
     async def prewarm(self, env_id: str, count: int) -> int:
@@ -160,7 +157,7 @@ class RolloutWorker:
             await asyncio.sleep(0)
         while len(self._agents) < count:
             self._agents.append(self._make_agent())
-        self._freeze()
+        self._gc.freeze(self._pooled())
         return len(self._pool[env_id])
 
     async def warmup(self) -> int:
@@ -168,7 +165,7 @@ class RolloutWorker:
         self.engine  # noqa: B018
         if not self._agents:
             self._agents.append(self._make_agent())
-        self._freeze()
+        self._gc.freeze(self._pooled())
         return self.index
 
     # ----- the manager's calls ---------------------------------------------------------------
@@ -182,9 +179,44 @@ class RolloutWorker:
     def submit(self, groups: Sequence[GroupTask]) -> None:
         self.engine  # noqa: B018 -- built on the worker's own loop and process
         for task in groups:
+            if task.branching is not None:
+                self._start_tree(task)
+                continue
             group = self._groups[task.group_id] = _Group(task)
             for i in range(len(task.seeds)):
                 self._start(group, i)
+
+    def _start_tree(self, task: GroupTask) -> None:
+        task_ = asyncio.get_running_loop().create_task(self._tree(task))
+        self._tasks.add(task_)
+        task_.add_done_callback(self._tasks.discard)
+
+    async def _tree(self, t: GroupTask) -> None:
+        """A branching group: one asyncio task plays its trees (`play_branching_group`)."""
+        from palaestra.rollout.branching import TreeHooks, TreeRequest, play_branching_group
+
+        cfg = self.config
+        assert t.branching is not None
+        hooks = TreeHooks(
+            acquire_env=lambda: self._acquire(t.env_id),
+            release_env=lambda env: self._release(t.env_id, env),
+            acquire_agent=self._acquire_agent,
+            release_agent=self._agents.append,
+            wait_gate=self._gate.wait_open,
+            max_aborts=MAX_ABORTS,
+        )
+        request = TreeRequest(t.group_id, t.env_id, t.task, t.seeds, t.branching, cfg.sampling,
+                              seed_sampling=cfg.seed_sampling, max_turns=cfg.max_turns,
+                              step_timeout_s=cfg.step_timeout_s)
+        try:
+            leaves = await play_branching_group(request, self._gate, hooks)
+        except Exception as exc:  # noqa: BLE001 -- e.g. a group size the trees cannot split
+            leaves = tuple(_failed(t, f"worker: {type(exc).__name__}: {exc}") for _ in t.seeds)
+        if cfg.rewards is not None:
+            leaves = tuple([await cfg.rewards.score_trajectory(x) for x in leaves])
+        self.episodes += len(leaves)
+        self._ready.append(GroupResult(t.group_id, leaves, self.index))  # not in a checkpoint
+        self._wake_event().set()
 
     async def collect(self, wait_s: float) -> list[GroupResult]:
         run = self._run
@@ -201,56 +233,95 @@ class RolloutWorker:
         if run != self._run:  # this poll's run was shut down while it waited; its caller is gone
             return []
         ready, self._ready = self._ready, []
-        if self._pooled() > 1.25 * self._frozen + 64:
-            self._freeze()
+        for r in ready:
+            self._done_tasks.pop(r.group_id, None)
+        if self._pooled() > 1.25 * self._gc.frozen_objects + 64:
+            self._gc.freeze(self._pooled())
         return ready
 
     def _pooled(self) -> int:
         return len(self._agents) + sum(len(v) for v in self._pool.values())
 
-    def _freeze(self) -> None:
-        """Move the long-lived objects (pooled envs and agents, tokenizer, engine) out of the
-        cyclic GC's sight, and collect the young generation less often (unless the process has
-        tuned its GC itself): with thousands of live episodes, collections otherwise cost a
-        quarter of the worker's CPU (measured: ~0.6 ms of ~2.8 ms per env step)."""
-        gc.freeze()
-        if gc.get_threshold() == (700, 10, 10):  # CPython's default
-            gc.set_threshold(10_000, 20, 100)
-        self._frozen = self._pooled()
-
     async def close_gate(self) -> None:
         """Refuse new generations (episodes reaching one are parked); in-flight ones go on."""
-        self.open = False
+        self._gate.open = False
 
-    async def pause(self, abort: bool = True) -> dict[str, int]:
+    async def pause(self, abort: bool = True) -> PauseReport:
         """Stop generating: close the gate, abort this worker's requests (unless the caller
         aborted them on the engines already), wait until none is in flight."""
-        self.open = False
-        if self.inflight:
-            self.drained = asyncio.Event()
-            if abort:
-                await self.engine.abort(list(self.request_ids))
-            if self.inflight:
-                await self.drained.wait()
-            self.drained = None
+        await self._gate.drain(abort=abort)
         # let episodes between env step and generate reach their (refused) generation
         await asyncio.sleep(0)
-        parked = [g for g in self._groups.values() if not g.active]
-        return {
-            "parked_groups": len(parked),
-            "parked_episodes": sum(s is not None for g in parked for s in g.states),
-        }
+        parked = [g for g in self._groups.values() if not g.running]
+        return PauseReport(
+            parked_groups=len(parked),
+            parked_episodes=sum(e.state is not None for g in parked for e in g.episodes),
+        )
 
     async def resume(self) -> int:
         """Reopen the gate and restart every parked episode; returns how many restarted."""
-        self.open = True
+        self._gate.open = True
         restarted = 0
         for group in list(self._groups.values()):
-            for i, result in enumerate(group.results):
-                if result is None and group.states[i] is not None and i not in group.active:
+            for i, episode in enumerate(group.episodes):
+                if episode.parked:
                     self._start(group, i)
                     restarted += 1
         return restarted
+
+    async def inflight_state(self) -> list[Any]:
+        """The parked groups as `palaestra.rollout.inflight.SavedGroup`s (picklable): finished
+        episodes as trajectories, parked ones at their last completed turn. Call after `pause`;
+        the groups stay parked here (a checkpoint, not a hand-over). Branching groups are not
+        in it (a tree's branches park inside its one task): restart those from their task."""
+        from palaestra.errors import RolloutError
+        from palaestra.rollout.inflight import SavedGroup, save_episode
+
+        # with the gate closed every running episode parks at its next generation (or ends)
+        for _ in range(int(self.config.step_timeout_s or 60) * 100 if not self._gate.open else 0):
+            if not any(g.running for g in self._groups.values()):
+                break
+            await asyncio.sleep(0.01)
+        if any(g.running for g in self._groups.values()):
+            raise RolloutError("inflight_state: episodes are still running; pause() first")
+        out = []
+        for group in self._groups.values():
+            live = tuple(None if e.result is not None or e.state is None or not e.state.started
+                         else save_episode(e.env, e.agent, e.state) for e in group.episodes)
+            out.append(SavedGroup(group.task, tuple(e.result for e in group.episodes), live))
+        # finished groups no poll has collected yet: a checkpoint must not lose them either
+        out.extend(SavedGroup(self._done_tasks[r.group_id], r.trajectories,
+                              (None,) * len(r.trajectories))
+                   for r in self._ready if r.group_id in self._done_tasks)
+        return out
+
+    async def restore_inflight(self, groups: Sequence[Any]) -> int:
+        """Re-create saved groups (`inflight_state` of a worker of the same config, maybe in a
+        process that died since); `resume` then plays their episodes on from their last
+        completed turn. Returns the episodes restored."""
+        from palaestra.rollout.inflight import arestore_episode
+
+        self.engine  # noqa: B018
+        restored = 0
+        for saved in groups:
+            if all(done is not None for done in saved.finished):  # finished, not yet collected
+                self._done_tasks[saved.task.group_id] = saved.task
+                self._ready.append(GroupResult(saved.task.group_id, tuple(saved.finished),
+                                               self.index))
+                self._wake_event().set()
+                continue
+            group = self._groups[saved.task.group_id] = _Group(saved.task)
+            for ep, done, live in zip(group.episodes, saved.finished, saved.live):
+                if done is not None:
+                    ep.result = done
+                    continue
+                ep.state = EpisodeState()  # not started: replayed from its task
+                if live is not None:
+                    ep.env = self._acquire(saved.task.env_id)
+                    ep.agent = self._acquire_agent()
+                    ep.state = await arestore_episode(live, ep.env, ep.agent)
+                    restored += 1
+        return restored
 
     async def update_weights(
         self, version: int, state_dict: Any = None, path: str | None = None
@@ -263,7 +334,7 @@ class RolloutWorker:
             "worker": self.index,
             "live_groups": len(self._groups),
             "episodes": self.episodes,
-            "engine_s": self.engine_s,
+            "engine_s": self._gate.engine_s,
             "cpu_s": time.process_time(),
             "envs_pooled": sum(len(v) for v in self._pool.values()),
         }
@@ -284,12 +355,12 @@ class RolloutWorker:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._engine is not None and self._given_engine is None:
             await self._engine.close()
-        live = [e for g in self._groups.values() for e in g.envs if e is not None]
+        live = [e.env for g in self._groups.values() for e in g.episodes if e.env is not None]
         for env in [*live, *(e for envs in self._pool.values() for e in envs)]:
             env.close()
         self._pool.clear()
         self._groups.clear()
-        gc.unfreeze()  # what was pooled for this run may now be collected
+        self._gc.release()  # what was pooled for this run may now be collected
         if self._cache is not None:
             self._cache.close()
             self._cache = None
@@ -299,26 +370,27 @@ class RolloutWorker:
 
     # ----- episodes --------------------------------------------------------------------------
     def _start(self, group: _Group, i: int) -> None:
-        group.active.add(i)
+        group.episodes[i].running = True
         task = asyncio.get_running_loop().create_task(self._episode(group, i))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _episode(self, group: _Group, i: int) -> None:
         t = group.task
+        ep = group.episodes[i]
         cfg = self.config
         try:
-            if group.envs[i] is None:
-                group.envs[i] = self._acquire(t.env_id)
-                group.agents[i] = self._acquire_agent()
-            if group.states[i] is None:
-                group.states[i] = EpisodeState()
+            if ep.env is None:
+                ep.env = self._acquire(t.env_id)
+                ep.agent = self._acquire_agent()
+            if ep.state is None:
+                ep.state = EpisodeState()
             sampling = cfg.sampling
             if cfg.seed_sampling:
                 sampling = replace(sampling, seed=t.seeds[i])
             traj = await run_episode(
-                group.envs[i],
-                group.agents[i],
+                ep.env,
+                ep.agent,
                 self._gate,
                 sampling,
                 seed=t.seeds[i],
@@ -328,31 +400,43 @@ class RolloutWorker:
                 step_timeout_s=cfg.step_timeout_s,
                 env_id=t.env_id,
                 group_id=t.group_id,
-                state=group.states[i],
+                state=ep.state,
             )
         except Exception as exc:  # noqa: BLE001 -- env construction or agent build failed
             traj = _failed(t, f"worker: {type(exc).__name__}: {exc}")
-        group.active.discard(i)
+        if cfg.rewards is not None and traj.stop_reason is not StopReason.ABORTED:
+            # [[rewards]]: scored as it finishes (still running, so resume() leaves it alone);
+            # a failed score fails this episode with the reason, never raises
+            traj = await cfg.rewards.score_trajectory(traj)
+        ep.running = False
         if traj.stop_reason is StopReason.ABORTED:
-            state = group.states[i]
+            state = ep.state
             if state is not None and state.aborts > MAX_ABORTS:
                 traj = replace(traj, stop_reason=StopReason.ERROR,
                                error=f"engine: aborted {state.aborts} times in a row")
             else:
+                if state is not None and state.started and state.partial_tokens == 0 \
+                        and state.requests > state.turn_requests:
+                    # refused at the closed gate (or aborted before its first token): it sampled
+                    # nothing, so its request index (its seed) is the next request's; where a
+                    # pause lands then never changes what an episode samples
+                    state.requests -= 1
                 if not cfg.partial_rollout:  # restart from scratch
-                    group.states[i] = EpisodeState()
-                if self.open:  # aborted by the engine itself, not by pause(): go on at once
+                    ep.state = EpisodeState()
+                if self._gate.open:  # aborted by the engine itself, not by pause(): go on at once
                     self._start(group, i)
                 return  # parked until resume()
         self.episodes += 1
-        group.results[i] = traj
-        self._release(t.env_id, group.envs[i])
-        if group.agents[i] is not None:
-            self._agents.append(group.agents[i])
-        group.envs[i] = group.agents[i] = group.states[i] = None
-        if not group.active and all(r is not None for r in group.results):
+        ep.result = traj
+        self._release(t.env_id, ep.env)
+        if ep.agent is not None:
+            self._agents.append(ep.agent)
+        ep.env = ep.agent = ep.state = None
+        results = group.results()
+        if results is not None:
             del self._groups[t.group_id]
-            self._ready.append(GroupResult(t.group_id, tuple(group.results), self.index))  # type: ignore[arg-type]
+            self._done_tasks[t.group_id] = t
+            self._ready.append(GroupResult(t.group_id, results, self.index))
             self._wake_event().set()
 
     def _acquire(self, env_id: str, fresh: bool = False) -> Any:
@@ -394,4 +478,4 @@ def _failed(task: GroupTask, error: str) -> Trajectory:
     )
 
 
-__all__ = ["GroupResult", "GroupTask", "RolloutWorker"]
+__all__ = ["GroupResult", "GroupTask", "PauseReport", "RolloutWorker"]

@@ -20,7 +20,7 @@ from palaestra.sandbox.result import ExecResult
 
 if TYPE_CHECKING:
     from palaestra.sandbox.docker_backend import DockerSandbox
-    from palaestra.sandbox.integrity import IOCase, JudgeResult, judge_function, judge_io
+    from palaestra.sandbox.integrity import judge_run
     from palaestra.sandbox.local import LocalSandbox
     from palaestra.sandbox.probe import IsolationReport
 
@@ -29,10 +29,7 @@ _LAZY = {
     "DockerSandbox": "palaestra.sandbox.docker_backend",
     "probe_isolation": "palaestra.sandbox.probe",
     "IsolationReport": "palaestra.sandbox.probe",
-    "judge_io": "palaestra.sandbox.integrity",
-    "judge_function": "palaestra.sandbox.integrity",
-    "IOCase": "palaestra.sandbox.integrity",
-    "JudgeResult": "palaestra.sandbox.integrity",
+    "judge_run": "palaestra.sandbox.integrity",
 }
 
 
@@ -58,17 +55,14 @@ __all__ = [
     "DockerSandbox",
     "ExecLimiter",
     "ExecResult",
-    "IOCase",
     "IsolationReport",
     "IsolationUnavailableError",
-    "JudgeResult",
     "LocalSandbox",
     "Sandbox",
     "SandboxConfig",
     "SandboxError",
     "SandboxFileError",
     "SandboxSession",
-    "judge_function",
-    "judge_io",
+    "judge_run",
     "probe_isolation",
 ]

@@ -208,6 +208,14 @@ class Sandbox(abc.ABC):
         spec = spec_for_language(code, language, timeout, stdin, files)
         return await self._guarded(spec, None)
 
+    async def run_fresh(self, code: str, language: str = "python", timeout: float = 5.0,
+                        stdin: bytes | str | None = None,
+                        files: FileMap | None = None) -> ExecResult:
+        """Like ``run``, in a fresh working directory even on a stateful sandbox: nothing a
+        session wrote is visible (for graders, see ``palaestra.sandbox.integrity``)."""
+        spec = spec_for_language(code, language, timeout, stdin, files)
+        return await self._guarded(spec, None)
+
     async def run_command(self, argv: Sequence[str], timeout: float = 5.0,
                           stdin: bytes | str | None = None,
                           files: FileMap | None = None) -> ExecResult:
@@ -283,6 +291,11 @@ class Sandbox(abc.ABC):
 
     @abc.abstractmethod
     def _session_workdir(self, handle: Any) -> str: ...
+
+    async def _fork_session(self, handle: Any) -> Any:
+        """A copy-on-write fork of a persistent session (backends that can, override)."""
+        raise SandboxError(f"the {self.backend_name!r} sandbox cannot fork sessions; use "
+                           "Sandbox(backend='local')")
 
 
 class SandboxSession:
@@ -375,6 +388,24 @@ class SandboxSession:
         self._need_open()
         async with self._lock:
             await self.sandbox._write_file(self._handle, rel, raw)
+
+    async def fork(self) -> SandboxSession:
+        """A copy-on-write fork of this persistent-python session: the interpreter forks
+        itself, so variables, open files and the working directory carry over; the fork has
+        its own workspace (a copy of this one's), rlimits and Landlock domain, and neither can
+        see nor signal the other. Close it like any session. Local backend only; needs a
+        pid namespace per run, per-run uids (root) and Landlock ABI 6 (Linux 6.12), and says
+        so if one is missing. What the two share: see ``palaestra.sandbox.inner.kernel``."""
+        if not self.persistent_python:
+            raise SandboxError("fork needs a persistent_python session: "
+                               "sandbox.session(persistent_python=True)")
+        await self.open()
+        self._need_open()
+        async with self._lock:
+            handle = await self.sandbox._fork_session(self._handle)
+        child = SandboxSession(self.sandbox, persistent_python=True)
+        child._handle = handle
+        return child
 
     async def close(self) -> None:
         """Kill the session's processes and delete its working directory."""

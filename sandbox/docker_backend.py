@@ -12,7 +12,6 @@ container is discarded and replaced in the background; no state crosses runs.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import struct
@@ -21,17 +20,12 @@ from typing import Any
 
 from palaestra.errors import MissingExtraError, SandboxError
 from palaestra.sandbox.base import RunSpec, Sandbox
-from palaestra.sandbox.errors import SandboxFileError
 from palaestra.sandbox.isolation import DEV_FILES, clean_env
 from palaestra.sandbox.outcome import result_from_frame
+from palaestra.sandbox.requests import ZygoteRequests, file_reply
 from palaestra.sandbox.result import ExecResult
-from palaestra.sandbox.zygote import (
-    ZygoteClient,
-    ZygoteDied,
-    agent_source,
-    cell_frame,
-    run_frame,
-)
+from palaestra.sandbox.shipping import runtime_argv
+from palaestra.sandbox.zygote import ZygoteClient, ZygoteDied
 
 MIB = 1024 * 1024
 LABEL = "palaestra.sandbox"
@@ -125,6 +119,8 @@ class DockerSandbox(Sandbox):
         self._live: dict[str, DockerZygote] = {}
         self._init_opts: dict[str, Any] = {}
         self._seccomp = b""
+        # the container's pids limit bounds processes: no RLIMIT_NPROC
+        self._requests = ZygoteRequests(self.config, count_processes=False)
         self.mode: dict[str, Any] = {}
         self._filling = 0
 
@@ -221,7 +217,7 @@ class DockerSandbox(Sandbox):
                      {"Name": "core", "Soft": 0, "Hard": 0}])
         # the image has the standard library only: other preloads fail quietly in the agent
         opts = {"stdio": True, "preload": list(cfg.preload)}
-        cmd = ["python3", "-I", "-B", "-c", agent_source(), json.dumps(opts)]
+        cmd = runtime_argv("python3", opts, no_site=False)
         created = api.create_container(
             cfg.image, command=cmd, user=cfg.docker_user, stdin_open=True, detach=False,
             working_dir=WORKSPACE, environment=clean_env(), host_config=host_config,
@@ -241,9 +237,7 @@ class DockerSandbox(Sandbox):
         cid, sock = await asyncio.to_thread(self._create)
         zyg = DockerZygote(f"container {cid[:12]}", cid, sock)
         self._live[cid] = zyg
-        from palaestra.sandbox._agent import pack
-
-        zyg._send(pack({"op": "init", "opts": self._init_opts}, [self._seccomp]))
+        zyg._send(ZygoteRequests.init(self._init_opts, self._seccomp))
         try:
             await zyg.wait_ready(60.0)
         except ZygoteDied:
@@ -318,20 +312,13 @@ class DockerSandbox(Sandbox):
             await asyncio.to_thread(self._client.close)
 
     # -- runs
-    def _limits(self, timeout: float, cpu: float | None = None) -> dict[str, int | None]:
-        cfg = self.config
-        return {"cpu": int(cpu) if cpu else cfg.cpu_limit(timeout), "as": cfg.memory_mb * MIB,
-                "fsize": cfg.max_file_size_mb * MIB, "nofile": cfg.max_open_files,
-                "nproc": None}  # the container's pids limit bounds processes
-
     async def _execute(self, spec: RunSpec, handle: _DockerSession | None) -> ExecResult:
         if handle is None:
             zyg = await self._take()
             workdir, create = f"{WORKSPACE}/run", True
         else:
             zyg, workdir, create = await self._session_zygote(handle), WORKSPACE, False
-        header, blobs = run_frame(spec, workdir=workdir, create_workdir=create, uid=None,
-                                  limits=self._limits(spec.timeout))
+        header, blobs = self._requests.run(spec, workdir=workdir, uid=None, create_workdir=create)
         try:
             reply, out = await zyg.request(header, blobs, timeout=spec.timeout + HOST_GRACE_S)
             return result_from_frame(reply, out)
@@ -372,10 +359,8 @@ class DockerSandbox(Sandbox):
 
     async def _run_cell(self, handle: _DockerSession, spec: RunSpec) -> ExecResult:
         zyg = await self._session_zygote(handle)
-        header, blobs = cell_frame(
-            spec, session=handle.sid, had_kernel=handle.had_kernel, uid=None,
-            workdir=WORKSPACE, create_workdir=False,
-            limits=self._limits(spec.timeout, cpu=self.config.session_cpu_seconds))
+        header, blobs = self._requests.cell(spec, session=handle.sid, had_kernel=handle.had_kernel,
+                                            workdir=WORKSPACE, uid=None)
         handle.had_kernel = True
         try:
             reply, out = await zyg.request(header, blobs, timeout=spec.timeout + HOST_GRACE_S)
@@ -385,21 +370,24 @@ class DockerSandbox(Sandbox):
 
     async def _read_file(self, handle: _DockerSession, path: str) -> bytes:
         zyg = await self._session_zygote(handle)
-        reply, blobs = await zyg.request({"op": "read_file", "root": WORKSPACE, "path": path,
-                                          "limit": self.config.max_read_bytes}, timeout=60)
-        if reply.get("op") != "ok":
-            raise SandboxFileError(f"cannot read {path!r}: {reply.get('error')}")
+        reply, blobs = await zyg.request(self._requests.read_file(WORKSPACE, path), timeout=60)
+        file_reply(reply, "read", path)
         return blobs[0]
 
     async def _write_file(self, handle: _DockerSession, path: str, data: bytes) -> None:
         zyg = await self._session_zygote(handle)
-        reply, _ = await zyg.request({"op": "write_file", "root": WORKSPACE, "path": path},
-                                     [data], timeout=60)
-        if reply.get("op") != "ok":
-            raise SandboxFileError(f"cannot write {path!r}: {reply.get('error')}")
+        reply, _ = await zyg.request(self._requests.write_file(WORKSPACE, path, None), [data],
+                                     timeout=60)
+        file_reply(reply, "write", path)
 
     def _session_workdir(self, handle: _DockerSession) -> str:
         return WORKSPACE
+
+    async def _fork_session(self, handle: _DockerSession) -> Any:
+        raise SandboxError(
+            "the docker sandbox cannot fork sessions: a session is one container, and a fork "
+            "inside it would share the container's memory, pids and CPU limits and its one "
+            "/workspace; use Sandbox(backend='local') for session.fork()")
 
 
 def _pid_alive(pid: int) -> bool:

@@ -5,7 +5,7 @@ only system directories, a curated /etc and the interpreter visible, read-only),
 (new network/pid/ipc/uts/mount namespaces; the filesystem is then confined by Landlock alone),
 or none (only with ``allow_network_isolation_fallback``: seccomp and Landlock in the child still
 block sockets). Landlock rules inside every child use the same read-only list. Under every
-launcher the zygote makes each run's pid and mount namespaces itself (``_agent.py``).
+launcher the zygote makes each run's pid and mount namespaces itself (``palaestra.sandbox.inner``).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 #: System directories visible read-only (symlinked ones are recreated as symlinks under bwrap).
 SYSTEM_DIRS: tuple[str, ...] = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
@@ -58,8 +59,8 @@ def python_layout(python: str | None = None) -> PythonLayout:
     if python is None or os.path.realpath(python) == os.path.realpath(sys.executable):
         import site
 
-        info = {"exe": sys.executable, "dirs": [sys.base_prefix, sys.prefix, sys.exec_prefix,
-                                                *site.getsitepackages()]}
+        info: dict[str, Any] = {"exe": sys.executable, "dirs": [
+            sys.base_prefix, sys.prefix, sys.exec_prefix, *site.getsitepackages()]}
     else:
         code = ("import json,sys,site;print(json.dumps({'exe':sys.executable,'dirs':"
                 "[sys.base_prefix,sys.prefix,sys.exec_prefix,*site.getsitepackages()]}))")

@@ -1,30 +1,28 @@
 """``LocalSandbox``: the default backend, no daemon needed, ~2 ms per run.
 
-A warm zygote (``_agent.py``) runs inside bubblewrap (or ``unshare``) with the filesystem
-read-only and no network. Every run gets its own pid namespace (the run is pid 2 under a pid 1
-that reaps and reports), a /proc showing only itself, its own uid when the host runs as root,
-rlimits, Landlock and seccomp. Stateless runs get a fresh tmpfs of ``workspace_mb`` in their own
-mount namespace; each session gets its own tmpfs of that size, so no run or session can fill
-another's workspace. Where these layers cannot be had the sandbox refuses to start and says how
+A warm zygote (``palaestra.sandbox.inner``) runs inside bubblewrap (or ``unshare``) with the
+filesystem read-only and no network. Every run gets its own pid namespace (the run is pid 2 under
+a pid 1 that reaps and reports), a /proc showing only itself, its own uid when the host runs as
+root, rlimits, Landlock and seccomp. Stateless runs get a fresh tmpfs of ``workspace_mb`` in their
+own mount namespace; each session gets its own tmpfs of that size, so no run or session can fill
+another's workspace (a session's forks, ``session.fork()``, share the sandbox's root tmpfs).
+Where these layers cannot be had the sandbox refuses to start and says how
 to fix it (``palaestra sandbox doctor`` shows what is in force).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import os
-import shutil
 import tempfile
-from dataclasses import dataclass
 from typing import Any
 
 from palaestra.errors import ConfigError, SandboxError
-from palaestra.sandbox.base import RunSpec, Sandbox
+from palaestra.sandbox.base import RunSpec, Sandbox, make_spec
 from palaestra.sandbox.cgroups import PidsCgroup
-from palaestra.sandbox.errors import IsolationUnavailableError, SandboxFileError
+from palaestra.sandbox.errors import IsolationUnavailableError
 from palaestra.sandbox.isolation import (
     DEV_FILES,
     ZYGOTE_CAPS_PIDNS,
@@ -36,11 +34,19 @@ from palaestra.sandbox.isolation import (
     python_layout,
     unshare_argv,
 )
+from palaestra.sandbox.local_session import (
+    LOST_FILES_NOTE,
+    _Family,
+    _LocalSession,
+    _remove_tree,
+    _with_note,
+)
 from palaestra.sandbox.outcome import result_from_frame
 from palaestra.sandbox.probe import IsolationReport, probe_isolation
+from palaestra.sandbox.requests import ZygoteRequests, file_reply
 from palaestra.sandbox.result import ExecResult
 from palaestra.sandbox.uids import UidRange
-from palaestra.sandbox.zygote import LocalZygote, ZygoteDied, cell_frame, run_frame
+from palaestra.sandbox.zygote import LocalZygote, ZygoteDied
 
 MIB = 1024 * 1024
 #: Extra seconds the host waits beyond a run's timeout before declaring the worker hung.
@@ -52,21 +58,6 @@ BWRAP_ROOT = "/sandbox"
 RUN_DIR = "run"
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _LocalSession:
-    sid: str
-    workdir: str
-    uid: int | None
-    worker: int
-    persistent: bool
-    had_kernel: bool = False
-    note: str = ""  # told to the caller on the next result (e.g. files lost in a crash)
-
-
-LOST_FILES_NOTE = ("[palaestra: the sandbox worker restarted; this session's working directory "
-                   "was re-created empty]\n")
 
 
 class LocalSandbox(Sandbox):
@@ -90,6 +81,7 @@ class LocalSandbox(Sandbox):
         self._cgroup: PidsCgroup | None = None
         self._sessions: dict[str, _LocalSession] = {}
         self._quotas = False
+        self._requests = ZygoteRequests(self.config, count_processes=False)
         self._workdirs_in_worker = False
         self.mode: dict[str, Any] = {}
 
@@ -154,6 +146,7 @@ class LocalSandbox(Sandbox):
         }
         self._workdirs_in_worker = launcher == "bwrap" or own_mounts
         self._uids = UidRange() if per_run_uid else None
+        self._requests = ZygoteRequests(cfg, count_processes=per_run_uid)
         self.mode = {"launcher": launcher, "per_run_uid": per_run_uid, "per_run_pidns": pidns,
                      "landlock_abi": report.landlock_abi, "seccomp": bool(self._seccomp),
                      "pids_cgroup": self._cgroup.path if self._cgroup else None}
@@ -275,13 +268,6 @@ class LocalSandbox(Sandbox):
             self._cgroup = None
 
     # -- runs
-    def _limits(self, timeout: float, cpu: float | None = None) -> dict[str, int | None]:
-        cfg = self.config
-        return {"cpu": int(cpu) if cpu else cfg.cpu_limit(timeout), "as": cfg.memory_mb * MIB,
-                "fsize": cfg.max_file_size_mb * MIB, "nofile": cfg.max_open_files,
-                # RLIMIT_NPROC counts every process of a uid: only meaningful with per-run uids
-                "nproc": cfg.max_processes if self._uids is not None else None}
-
     async def _execute(self, spec: RunSpec, handle: _LocalSession | None) -> ExecResult:
         if handle is None:
             _, zyg = await self._pick()
@@ -293,9 +279,9 @@ class LocalSandbox(Sandbox):
         else:
             zyg = await self._worker(handle.worker)
             uid, workdir, create = handle.uid, handle.workdir, False
-        header, blobs = run_frame(spec, workdir=workdir, create_workdir=create, uid=uid,
-                                  private_workdir=self._quotas and handle is None,
-                                  limits=self._limits(spec.timeout))
+        header, blobs = self._requests.run(spec, workdir=workdir, uid=uid, create_workdir=create,
+                                           private_workdir=self._quotas and handle is None,
+                                           shared_uid=bool(handle and handle.family))
         try:  # the zygote deletes a run's directory itself once the run is over
             reply, out = await zyg.request(header, blobs, timeout=spec.timeout + HOST_GRACE_S)
         except ZygoteDied as exc:
@@ -317,36 +303,90 @@ class LocalSandbox(Sandbox):
                 self._uids.release(uid)
             raise SandboxError(f"cannot create the session directory: {reply.get('error')}")
         sess = self._sessions[sid] = _LocalSession(sid, workdir, uid, index, persistent_python)
+        if persistent_python and self._fork_refusal() is None:
+            sess.nursery = f"{workdir}.forks"
         return sess
+
+    def _fork_refusal(self) -> str | None:
+        """Why sessions cannot fork here (None: they can)."""
+        feats = self._workers[0].features if self._workers and self._workers[0] else {}
+        if self._uids is None:
+            return ("session fork needs per-run uids (the host must run as root): a fork's "
+                    "workspace and nursery are protected by the uid")
+        if not (self._quotas and feats.get("pidns")):
+            return "session fork needs a pid and mount namespace per run (see sandbox doctor)"
+        if not feats.get("fork"):
+            return (f"session fork needs Landlock ABI >= 6 (Linux 6.12) for signal scoping "
+                    f"between a fork and its parent; this kernel has ABI "
+                    f"{feats.get('landlock_abi', 0)}")
+        return None
+
+    async def _fork_session(self, parent: _LocalSession) -> _LocalSession:
+        why = self._fork_refusal()
+        if why is not None:
+            raise IsolationUnavailableError(why)
+        if not parent.persistent or parent.nursery is None:
+            raise SandboxError("only a persistent_python session opened here can fork")
+        if not parent.had_kernel:  # start the interpreter: there is nothing to fork before
+            started = await self._run_cell(parent, make_spec("python", "", (), 30.0, None, None))
+            if not started.ok:
+                raise SandboxError(f"cannot start the session's interpreter: {started.summary()}")
+        zyg = await self._worker(parent.worker)
+        k = next(self._ids)
+        sid, base = f"s{k}", parent.nursery
+        workdir, nursery, parent_nursery = f"{base}/f{k}", f"{base}/f{k}.forks", f"{base}/p{k}"
+        header = self._requests.fork(parent.sid, sid, workdir=workdir, nursery=nursery,
+                                     parent_nursery=parent_nursery)
+        try:
+            reply, _ = await zyg.request(header, timeout=60)
+        except ZygoteDied as exc:
+            raise SandboxError(f"cannot fork the session: {exc}") from exc
+        if reply.get("op") != "ok":
+            raise SandboxError(f"cannot fork the session: {reply.get('error')}")
+        family = parent.family
+        if family is None:
+            family = parent.family = _Family(base, {parent.sid})
+        family.members.add(sid)
+        parent.nursery = parent_nursery
+        child = self._sessions[sid] = _LocalSession(sid, workdir, parent.uid, parent.worker,
+                                                    True, had_kernel=True, nursery=nursery,
+                                                    family=family)
+        return child
 
     def _mkdir_request(self, path: str, uid: int | None) -> dict[str, Any]:
         """A session's directory: its own tmpfs of ``workspace_mb`` where quotas are on."""
-        return {"op": "mkdir", "path": path, "uid": uid,
-                "quota_mb": self.config.workspace_mb if self._quotas else None}
+        return self._requests.mkdir(path, uid, quota=self._quotas)
 
     async def _close_session(self, handle: _LocalSession) -> None:
         self._sessions.pop(handle.sid, None)
+        family = handle.family
+        if family is not None:
+            family.members.discard(handle.sid)
+        last = family is None or not family.members  # no other session has this uid
         zyg = self._workers[handle.worker] if handle.worker < len(self._workers) else None
         if zyg is not None and not zyg.closed:
             try:
                 if handle.persistent:
                     await zyg.request({"op": "kernel_stop", "session": handle.sid}, timeout=30)
-                if handle.uid is not None:
+                if handle.uid is not None and last:
                     await zyg.request({"op": "sweep", "uid": handle.uid}, timeout=30)
                 await zyg.request({"op": "rmtree", "path": handle.workdir}, timeout=60)
+                nursery = family.root_nursery if family is not None else handle.nursery
+                if last and nursery:
+                    await zyg.request({"op": "rmtree", "path": nursery}, timeout=60)
             except ZygoteDied:
                 pass
         if self._host_root:
             await asyncio.to_thread(_remove_tree, handle.workdir)
-        if handle.uid is not None and self._uids is not None:
+        if handle.uid is not None and self._uids is not None and last:
             self._uids.release(handle.uid)
 
     async def _run_cell(self, handle: _LocalSession, spec: RunSpec) -> ExecResult:
         zyg = await self._worker(handle.worker)
-        header, blobs = cell_frame(
-            spec, session=handle.sid, had_kernel=handle.had_kernel, uid=handle.uid,
-            workdir=handle.workdir, create_workdir=False,
-            limits=self._limits(spec.timeout, cpu=self.config.session_cpu_seconds))
+        header, blobs = self._requests.cell(spec, session=handle.sid, had_kernel=handle.had_kernel,
+                                            workdir=handle.workdir, uid=handle.uid,
+                                            nursery=handle.nursery,
+                                            shared_uid=handle.family is not None)
         handle.had_kernel = True
         try:
             reply, out = await zyg.request(header, blobs, timeout=spec.timeout + HOST_GRACE_S)
@@ -356,45 +396,16 @@ class LocalSandbox(Sandbox):
 
     async def _read_file(self, handle: _LocalSession, path: str) -> bytes:
         zyg = await self._worker(handle.worker)
-        reply, blobs = await zyg.request({"op": "read_file", "root": handle.workdir, "path": path,
-                                          "limit": self.config.max_read_bytes}, timeout=60)
-        if reply.get("op") != "ok":
-            raise SandboxFileError(f"cannot read {path!r}: {reply.get('error')}")
+        reply, blobs = await zyg.request(self._requests.read_file(handle.workdir, path),
+                                         timeout=60)
+        file_reply(reply, "read", path)
         return blobs[0]
 
     async def _write_file(self, handle: _LocalSession, path: str, data: bytes) -> None:
         zyg = await self._worker(handle.worker)
-        owner = [handle.uid, handle.uid] if handle.uid is not None else None
-        reply, _ = await zyg.request({"op": "write_file", "root": handle.workdir, "path": path,
-                                      "owner": owner}, [data], timeout=60)
-        if reply.get("op") != "ok":
-            raise SandboxFileError(f"cannot write {path!r}: {reply.get('error')}")
+        reply, _ = await zyg.request(self._requests.write_file(handle.workdir, path, handle.uid),
+                                     [data], timeout=60)
+        file_reply(reply, "write", path)
 
     def _session_workdir(self, handle: _LocalSession) -> str:
         return handle.workdir
-
-
-def _with_note(result: ExecResult, handle: _LocalSession | None) -> ExecResult:
-    if handle is None or not handle.note or result.error:
-        return result
-    note, handle.note = handle.note, ""
-    return dataclasses.replace(result, stderr=note + result.stderr)
-
-
-def _remove_tree(path: str) -> None:
-    try:
-        os.rmdir(path)  # the common case: a trivial run leaves an empty directory
-        return
-    except FileNotFoundError:
-        return
-    except OSError:
-        pass
-
-    def _retry(func: Any, p: str, _exc: Any) -> None:
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            func(p)
-        except OSError:
-            pass
-
-    shutil.rmtree(path, onerror=_retry)

@@ -96,7 +96,7 @@ def _works(argv: list[str]) -> tuple[bool, str]:
 @functools.lru_cache(maxsize=1)
 def probe_isolation() -> IsolationReport:
     """Try every layer once (about 30 ms) and report what works."""
-    from palaestra.sandbox._agent import landlock_abi
+    from palaestra.sandbox.inner.linux import landlock_abi
     from palaestra.sandbox.seccomp import build_filter_bpf
 
     notes: list[str] = []

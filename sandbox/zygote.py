@@ -1,8 +1,8 @@
-"""Host side of the in-sandbox agent: an asyncio client for one zygote.
+"""Host side of the in-sandbox runtime (``inner``): an asyncio client for one zygote.
 
 ``ZygoteClient`` multiplexes requests over one byte stream (request ids, one future each) and
 turns a dead or silent zygote into ``ZygoteDied`` for every waiter, so callers can convert it
-into an error ``ExecResult``. ``LocalZygote`` starts the agent under the chosen launcher
+into an error ``ExecResult``. ``LocalZygote`` starts the runtime under the chosen launcher
 (bubblewrap/unshare/none) over a socketpair; the Docker backend subclasses the client for a
 container's attach socket.
 """
@@ -11,54 +11,24 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import itertools
-import json
 import os
 import socket
 import subprocess
 import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from palaestra.errors import SandboxError
-from palaestra.sandbox._agent import FrameReader, pack
-from palaestra.sandbox.base import RunSpec
+from palaestra.sandbox.inner.framing import FrameReader, pack
+from palaestra.sandbox.requests import ZygoteRequests
+from palaestra.sandbox.shipping import runtime_argv
 
 Frame = tuple[dict[str, Any], list[bytes]]
 
 
-def run_frame(spec: RunSpec, **header: Any) -> tuple[dict[str, Any], list[bytes]]:
-    """The ``run`` request for ``spec``: a header of what the zygote needs (limits, paths,
-    uid) and the payload it must never read, only hand to the run as a memfd: a meta blob
-    (code, argv, file names), the files, then stdin."""
-    meta = json.dumps({"code": spec.code, "argv": list(spec.argv),
-                       "files": [name for name, _ in spec.files]}).encode()
-    blobs = [meta, *(data for _, data in spec.files)]
-    if spec.stdin is not None:
-        blobs.append(spec.stdin)
-    return dict(header, op="run", kind=spec.kind, has_stdin=spec.stdin is not None,
-                timeout=spec.timeout), blobs
-
-
-def cell_frame(spec: RunSpec, **header: Any) -> tuple[dict[str, Any], list[bytes]]:
-    """The ``cell`` request of a persistent session: payload blobs code, then stdin."""
-    blobs = [spec.code.encode("utf-8", "surrogateescape")]
-    if spec.stdin is not None:
-        blobs.append(spec.stdin)
-    return dict(header, op="cell", kind="kernel", has_stdin=spec.stdin is not None,
-                timeout=spec.timeout), blobs
-
-
 class ZygoteDied(SandboxError):
     """The sandbox worker exited or stopped answering; the sandbox restarts it on next use."""
-
-
-@functools.lru_cache(maxsize=1)
-def agent_source() -> str:
-    """Source of the in-sandbox agent, passed to ``python -c`` (it needs no files inside)."""
-    return (Path(__file__).with_name("_agent.py")).read_text()
 
 
 class ZygoteClient:
@@ -216,10 +186,7 @@ class LocalZygote(ZygoteClient):
         loop = self._loop = asyncio.get_running_loop()
         parent, child = socket.socketpair()
         opts = {"fd": child.fileno(), "preload": self._preload, "sys_path": self._sys_path}
-        # -S: no site module, so no .pth file runs code in the sandbox; the agent puts
-        # site-packages on sys.path itself (sys_path).
-        argv = [*self._launcher, self._python, "-I", "-B", "-S", "-c", agent_source(),
-                json.dumps(opts)]
+        argv = [*self._launcher, *runtime_argv(self._python, opts)]
         self._log = tempfile.TemporaryFile(prefix="palaestra-zygote-")
         try:
             self._proc = subprocess.Popen(
@@ -234,7 +201,7 @@ class LocalZygote(ZygoteClient):
         self._sock = parent
         self._ready = loop.create_future()
         loop.add_reader(parent.fileno(), self._on_readable)
-        self._send(pack({"op": "init", "opts": init_opts}, [seccomp_bpf]))
+        self._send(ZygoteRequests.init(init_opts, seccomp_bpf))
         return await self.wait_ready(timeout)
 
     def fail(self, reason: str) -> None:

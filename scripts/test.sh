@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The test command of README.md: installs palaestra in .venv, then runs the CPU test suite.
+# The test command of README.md: installs palaestra in .venv, type-checks the package (mypy,
+# [tool.mypy] of pyproject.toml: zero errors), then runs the CPU test suite.
 #   bash scripts/test.sh [pytest args...]
+# PALAESTRA_SKIP_TYPECHECK=1 skips the type check (a quick run of a few tests).
 # GPU tests carry the `gpu` marker and skip cleanly without CUDA; `docker` tests skip (with the
 # reason) where no Docker engine runs. pytest's exit code 5 (nothing collected) counts as success.
 set -uo pipefail
@@ -8,7 +10,15 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 VENV=${PALAESTRA_VENV:-.venv}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+typecheck=0
+if [ "${PALAESTRA_SKIP_TYPECHECK:-0}" != 1 ]; then
+  "$VENV/bin/python" -m mypy || typecheck=$?
+fi
 "$VENV/bin/python" -m pytest -q "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then rc=0; fi
+if [ "$rc" -eq 0 ] && [ "$typecheck" -ne 0 ]; then
+  echo "type check failed (mypy above): fix the errors or run with PALAESTRA_SKIP_TYPECHECK=1" >&2
+  rc=$typecheck
+fi
 exit "$rc"

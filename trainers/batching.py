@@ -82,9 +82,15 @@ class TrainBatch:
     turn_rewards: tuple[tuple[float, ...], ...] | None = None
     turn_ends: tuple[tuple[int, ...], ...] | None = None
     paired: bool = False
+    #: MoE routing replay: per sequence an int ``[T, layers, top_k]`` of the experts the rollout
+    #: engine chose at each token (-1: not recorded), or None for a sequence without them
+    routed_experts: tuple[torch.Tensor | None, ...] | None = None
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
+        if self.routed_experts is not None:
+            set_(self, "routed_experts", tuple(
+                None if r is None else torch.as_tensor(r) for r in self.routed_experts))
         set_(self, "token_ids", _as_tensor_tuple(self.token_ids, torch.long))
         for name in TOKEN_FIELDS:
             value = getattr(self, name)
@@ -111,6 +117,15 @@ class TrainBatch:
             if bad:
                 raise TrajectoryValidationError(
                     f"TrainBatch.{name} must have one value per token; sequences {bad[:5]} differ"
+                )
+        if self.routed_experts is not None:
+            bad = [i for i, (r, t) in enumerate(zip(self.routed_experts, lengths))
+                   if r is not None and (r.dim() != 3 or r.shape[0] != t)]
+            if len(self.routed_experts) != n or bad:
+                raise TrajectoryValidationError(
+                    f"TrainBatch.routed_experts needs one [tokens, layers, top_k] tensor (or "
+                    f"None) per sequence; sequences {bad[:5]} (of {len(self.routed_experts)}) "
+                    "do not match their token counts"
                 )
         for name in ("group_ids", "rewards", "turn_rewards", "turn_ends"):
             value = getattr(self, name)
@@ -149,14 +164,16 @@ class TrainBatch:
         if adv is None and all(s.advantage is not None for s in samples):
             adv = [m * float(s.advantage or 0.0) for m, s in zip(masks, samples)]
         return cls(
-            token_ids=[s.token_ids_T for s in samples],
-            loss_mask=masks,
+            token_ids=_as_tensor_tuple((s.token_ids_T for s in samples), torch.long),
+            loss_mask=tuple(masks),
             advantages=adv,
-            rollout_logprobs=[s.logprobs_T for s in samples],
+            rollout_logprobs=_as_tensor_tuple((s.logprobs_T for s in samples), torch.float32),
             group_ids=tuple(s.group_id for s in samples),
             rewards=torch.tensor([float(s.reward) for s in samples]),
             turn_rewards=tuple(tuple(float(r) for r in s.turn_rewards) for s in samples),
             turn_ends=tuple(tuple(int(e) for e in s.turn_ends) for s in samples),
+            routed_experts=(tuple(s.routed_experts for s in samples)
+                            if any(s.routed_experts is not None for s in samples) else None),
         )
 
     @classmethod
@@ -169,8 +186,8 @@ class TrainBatch:
             )
         seqs = [s for pair in zip(chosen, rejected) for s in pair]
         return cls(
-            token_ids=[s.token_ids_T for s in seqs],
-            loss_mask=[s.loss_mask_T for s in seqs],
+            token_ids=_as_tensor_tuple((s.token_ids_T for s in seqs), torch.long),
+            loss_mask=_as_tensor_tuple((s.loss_mask_T for s in seqs), torch.float32),
             paired=True,
         )
 
@@ -251,6 +268,8 @@ class MicroBatch:
     spans: list[tuple[int, int, int]]
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     seq_fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: MoE routing replay: ``[R, L, layers, top_k]`` int16 rollout experts, -1 = route freely
+    routed_experts: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -273,6 +292,7 @@ class MicroBatch:
             spans=self.spans,
             fields={k: move(v) for k, v in self.fields.items()},
             seq_fields={k: move(v) for k, v in self.seq_fields.items()},
+            routed_experts=None if self.routed_experts is None else move(self.routed_experts),
         )
 
     def unpack(self, values: torch.Tensor) -> list[torch.Tensor]:
@@ -355,6 +375,7 @@ def build_micro_batch(
     pack: bool,
     fields: Mapping[str, Sequence[torch.Tensor]] | None = None,
     seq_fields: Mapping[str, torch.Tensor] | None = None,
+    routed_experts: Sequence[torch.Tensor | None] | None = None,
 ) -> MicroBatch:
     """Tensors of the sequences ``indices``: one packed row, or one padded row per sequence."""
     fields = fields or {}
@@ -379,6 +400,15 @@ def build_micro_batch(
         seq_index[row, start : start + n] = k
         for name, values in fields.items():
             out_fields[name][row, start : start + n] = values[i]
+    routes = None
+    shapes = [] if routed_experts is None else [
+        tuple(r.shape[1:]) for r in (routed_experts[i] for i in indices) if r is not None]
+    if shapes:
+        routes = torch.full((rows, width, *shapes[0]), -1, dtype=torch.int16)
+        for i, (row, start, n) in zip(indices, spans):
+            r = routed_experts[i]  # type: ignore[index]
+            if r is not None:
+                routes[row, start : start + n] = r.to(torch.int16)
     attention_mask = None
     if not pack:
         attention_mask = (seq_index >= 0).to(torch.long)
@@ -393,6 +423,7 @@ def build_micro_batch(
         spans=spans,
         fields=out_fields,
         seq_fields={k: v[list(indices)] for k, v in (seq_fields or {}).items()},
+        routed_experts=routes,
     )
 
 
@@ -419,7 +450,7 @@ def make_micro_batches(
     return [
         build_micro_batch(
             batch.token_ids, [chosen[k] for k in plan], pack=pack, fields=fields,
-            seq_fields=seq_fields,
+            seq_fields=seq_fields, routed_experts=batch.routed_experts,
         )
         for plan in plans
     ]

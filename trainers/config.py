@@ -11,14 +11,20 @@ demonstrations), ``trainer`` (backend, optimiser, loss), ``eval``, ``checkpoint`
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import json
+import warnings
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationInfo, model_validator
+from pydantic import Discriminator, Field, Tag, ValidationInfo, model_validator
 
-from palaestra.benchmarks.training import EvalConfig as BenchmarkEvalConfig
 from palaestra.config import ConfigProblems, Section
+from palaestra.evaluation import EvalConfig as BenchmarkEvalConfig
+from palaestra.rollout.config import RolloutConfig
+from palaestra.rollout.placement import PlacementSection
+from palaestra.rollout.rewards.config import RewardSourceConfig, RewardWorkerSection
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.megatron.config import MegatronBackendConfig
+from palaestra.trainers.ppo.config import CriticSection
 from palaestra.trainers.services import ServicesSection
 from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
@@ -68,40 +74,95 @@ class AgentSection(Section):
     """Raise on token drift instead of counting it."""
 
 
-class RolloutSection(Section):
-    batch_size: int = Field(16, ge=1)
-    """Groups (prompts) per training step."""
-    group_size: int = Field(8, ge=1)
-    """Episodes per prompt (group baselines such as GRPO's need 2 or more)."""
-    max_new_tokens: int = Field(256, ge=1)
-    """Token budget of one assistant turn."""
-    temperature: float = Field(1.0, gt=0.0)
-    """Sampling temperature (the trainer divides logits by it to match)."""
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling."""
-    max_turns: int | None = Field(None, ge=1)
-    """Cap on assistant turns per episode (None: the env's own limit)."""
-    cluster: Literal["ray", "local"] = "ray"
-    """Rollout workers as Ray actors, or in-process asyncio workers ("local")."""
-    ray_address: str | None = None
-    """Address of an existing Ray cluster (None: start a local one)."""
-    num_workers: int = Field(2, ge=1)
-    """Rollout workers."""
-    max_concurrency: int = Field(256, ge=1)
-    """Episodes in flight over all workers."""
-    mode: Literal["sync", "async"] = "sync"
-    """sync: rollout then train; async: rollout of step k+1 overlaps training of step k."""
-    max_staleness: int = Field(1, ge=0)
-    """Oldest policy version a trained token may have, counted back from the newest."""
-    filters: list[str] = Field(default_factory=list)
-    """Group filters, e.g. ["nonzero_variance"] (dynamic sampling)."""
-    max_failure_rate: float = Field(0.5, ge=0.0, le=1.0)
-    """Failed episodes above this fraction fail the step."""
-    over_sampling: float = Field(1.0, ge=1.0)
-    """Groups started per missing group (>1 when filters drop many groups)."""
+class _SyncSettings(Section):
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Cast floating weights to this dtype on the way (None: as trained), e.g. bfloat16 for
+    SGLang servers in bf16."""
+
+
+class _BucketSettings(_SyncSettings):
+    bucket_mb: int = Field(512, ge=1)
+    """Size of one transfer bucket (a tensor larger than this goes alone)."""
+
+
+class _DistributedSettings(_BucketSettings):
+    backend: Literal["nccl", "gloo"] = "nccl"
+    """Collective of the distributed sync ("gloo" moves CPU tensors, e.g. to a CPU server)."""
+    master_address: str = "127.0.0.1"
+    """This trainer's address as the servers reach it (rendezvous of the weight-update group)."""
+    master_port: int = Field(0, ge=0, le=65535)
+    """Port of that rendezvous (0: any free port)."""
+    timeout_s: float = Field(600.0, gt=0.0)
+    """How long forming the weight-update group and each broadcast may take."""
+
+
+class _DiskSettings(_BucketSettings):
+    dir: str = "{out}/engine-weights"
+    """Disk sync: a folder the servers can read ({out} is the run directory)."""
+
+
+class InProcessSync(_SyncSettings):
+    """The embedded engine's tensors are overwritten in the trainer process."""
+
+    kind: Literal["in_process"] = "in_process"
+
+
+class TensorSync(_SyncSettings):
+    """Base64 safetensors over HTTP (``palaestra serve`` only)."""
+
+    kind: Literal["tensor"] = "tensor"
+
+
+class DistributedSync(_DistributedSettings):
+    """SGLang's weight-update group: NCCL broadcast (or gloo) from the trainer to the servers."""
+
+    kind: Literal["distributed"] = "distributed"
+
+
+class DiskSync(_DiskSettings):
+    """Safetensors in ``dir`` + /update_weights_from_disk."""
+
+    kind: Literal["disk"] = "disk"
+
+
+class AutoSync(_DistributedSettings, _DiskSettings):
+    """in_process for the embedded engine; for SGLang servers distributed when CUDA is here,
+    else disk (so it carries the settings of both)."""
+
+    kind: Literal["auto"] = "auto"
+
+    def resolve(self, method: str) -> WeightSyncSettings:
+        """These settings as the concrete path ``method`` (the ones it reads)."""
+        variant = _SYNC_KINDS[method]
+        return variant(**{name: getattr(self, name) for name in variant.model_fields
+                          if name != "kind"})
+
+
+def _sync_kind(value: Any) -> str | None:
+    """The tag of an ``engine.weight_sync`` value (a section without ``kind`` is auto)."""
+    if isinstance(value, dict):
+        return str(value.get("kind", "auto"))
+    return getattr(value, "kind", None)
+
+
+WeightSyncSettings = (
+    Annotated[AutoSync, Tag("auto")] | Annotated[InProcessSync, Tag("in_process")]
+    | Annotated[DistributedSync, Tag("distributed")] | Annotated[DiskSync, Tag("disk")]
+    | Annotated[TensorSync, Tag("tensor")]
+)
+_SYNC_KINDS: dict[str, Any] = {"auto": AutoSync, "in_process": InProcessSync,
+                               "distributed": DistributedSync, "disk": DiskSync,
+                               "tensor": TensorSync}
+#: the flat settings of earlier configs (``engine.sync_dir``) -> their ``engine.weight_sync`` name
+_FLAT_SYNC = {"sync_backend": "backend", "sync_master_address": "master_address",
+              "sync_master_port": "master_port", "sync_bucket_mb": "bucket_mb",
+              "sync_dtype": "dtype", "sync_timeout_s": "timeout_s", "sync_dir": "dir"}
 
 
 class EngineSection(Section):
+    """``kind`` selects the engine, ``weight_sync`` (a section whose own ``kind`` selects its
+    settings) the path of new weights."""
+
     kind: Literal["local", "sglang"] = "local"
     """Embedded engine in the trainer process, or SGLang servers."""
     urls: list[str] = Field(default_factory=list)
@@ -121,27 +182,50 @@ class EngineSection(Section):
     """Device of the embedded engine (None: CUDA if available, else CPU)."""
     max_running: int = Field(256, ge=1)
     """Requests decoded together by the embedded engine."""
-    weight_sync: Literal["auto", "in_process", "distributed", "disk", "tensor"] = "auto"
-    """How new weights reach the engines after each step. in_process: the embedded engine's
-    tensors are overwritten; distributed: SGLang's weight-update group (NCCL broadcast, or gloo);
-    disk: safetensors in ``sync_dir`` + /update_weights_from_disk; tensor: base64 safetensors
-    over HTTP (palaestra serve only). auto: in_process for the embedded engine; for SGLang
-    servers distributed over NCCL when CUDA is here, else disk."""
-    sync_backend: Literal["nccl", "gloo"] = "nccl"
-    """Collective of the distributed sync ("gloo" moves CPU tensors, e.g. to a CPU server)."""
-    sync_master_address: str = "127.0.0.1"
-    """This trainer's address as the servers reach it (rendezvous of the weight-update group)."""
-    sync_master_port: int = Field(0, ge=0, le=65535)
-    """Port of that rendezvous (0: any free port)."""
-    sync_bucket_mb: int = Field(512, ge=1)
-    """Size of one transfer bucket (a tensor larger than this goes alone)."""
-    sync_dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    """Cast floating weights to this dtype on the way (None: as trained), e.g. bfloat16 for
-    SGLang servers in bf16."""
-    sync_timeout_s: float = Field(600.0, gt=0.0)
-    """How long forming the weight-update group and each broadcast may take."""
-    sync_dir: str = "{out}/engine-weights"
-    """Disk sync: a folder the servers can read ({out} is the run directory)."""
+    weight_sync: Annotated[WeightSyncSettings, Discriminator(_sync_kind)] = Field(
+        default_factory=AutoSync)
+    """How new weights reach the engines after each step (``[engine.weight_sync] kind``).
+    in_process: the embedded engine's tensors are overwritten; distributed: SGLang's
+    weight-update group (NCCL broadcast, or gloo); disk: safetensors in ``dir`` +
+    /update_weights_from_disk; tensor: base64 safetensors over HTTP (palaestra serve only).
+    auto: in_process for the embedded engine; for SGLang servers distributed over NCCL when CUDA
+    is here, else disk."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_sync_spelling(cls, data: Any) -> Any:
+        """Earlier configs (and resumed runs' config.json) spell the sync flat:
+        ``weight_sync = "disk"`` and ``sync_dir = ...``; read them as ``[engine.weight_sync]``
+        with a deprecation warning that shows the new spelling."""
+        if not isinstance(data, dict):
+            return data
+        flat = [key for key in data if key in _FLAT_SYNC]
+        if not flat and not isinstance(data.get("weight_sync"), str):
+            return data
+        data = dict(data)
+        sync = data.pop("weight_sync", None)
+        section: dict[str, Any] = dict(sync) if isinstance(sync, dict) else {}
+        if isinstance(sync, str):
+            section["kind"] = sync
+        variant = _SYNC_KINDS.get(str(section.get("kind", "auto")))
+        for key in flat:
+            name, value = _FLAT_SYNC[key], data.pop(key)
+            fields = variant.model_fields if variant is not None else {}
+            if name not in fields and value == AutoSync.model_fields[name].get_default():
+                continue  # a resolved config.json sets every flat field, at its default
+            section.setdefault(name, value)
+        shown = ", ".join(f"{k} = {json.dumps(v)}" for k, v in section.items())
+        warnings.warn(
+            f"engine.weight_sync = \"<kind>\" and engine.sync_* are deprecated: write "
+            f"[engine.weight_sync] {shown} (or --engine.weight_sync.<field> VALUE)",
+            DeprecationWarning, stacklevel=2)
+        data["weight_sync"] = section
+        return data
+
+    def sync_settings(self, method: str) -> WeightSyncSettings:
+        """The settings of the concrete path ``method`` (``auto`` resolved, see engine_sync)."""
+        sync = self.weight_sync
+        return sync.resolve(method) if isinstance(sync, AutoSync) else sync
 
 
 class WarmupSection(Section):
@@ -162,6 +246,9 @@ class WarmupSection(Section):
     """Transcripts generated by a demonstration function."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Extra keyword arguments of the demonstration function."""
+    lora: bool = False
+    """Whether the warm start trains ``trainer.torch.lora``'s adapter too; False (default):
+    full SFT, then LoRA on the warm-started model in the RL phase."""
 
 
 class OfflineSection(Section):
@@ -180,13 +267,29 @@ class TrainerSection(Section):
     steps: int = Field(20, ge=0)
     """Training steps (RL: rollout batches; SFT/DPO: optimizer steps; 0: evaluate only)."""
     updates_per_batch: int = Field(1, ge=1)
-    """Optimizer steps per rollout batch (more than one makes PPO clipping matter)."""
+    """Optimizer steps per rollout batch (more than one makes PPO clipping matter); with a
+    critic (PPO) the epochs over the batch, each in mini-batches of ``mini_batch_size``."""
+    mini_batch_size: int | None = Field(None, ge=1)
+    """PPO (a critic): samples per optimizer step, each of ``updates_per_batch`` epochs goes
+    over the batch in shuffled mini-batches of this size (None: the whole batch)."""
     torch: TorchBackendConfig = Field(default_factory=TorchBackendConfig)
     """PyTorch backend settings (device, dtype, lr, micro-batching, ...)."""
     megatron: MegatronBackendConfig = Field(default_factory=MegatronBackendConfig)
     """Megatron-core backend settings (tp, pp, ep, dtype, lr, ...), for backend = "megatron"."""
     loss: LossConfig = Field(default_factory=lambda: LossConfig(preset="grpo"))
     """The objective (preset and coefficients)."""
+    routing_replay: Literal["off", "rollout"] = "off"
+    """MoE policies: "rollout" replays the experts the rollout engine chose at each token in
+    the training forward (R3; both backends: sets ``trainer.torch.routing_replay`` and
+    ``trainer.megatron.routing_replay``)."""
+
+    @model_validator(mode="after")
+    def _replay_into_backend(self) -> TrainerSection:
+        if self.routing_replay != "off":
+            update = {"routing_replay": self.routing_replay}
+            self.torch = self.torch.model_copy(update=update)
+            self.megatron = self.megatron.model_copy(update=update)
+        return self
 
 
 class EvalSection(Section):
@@ -224,8 +327,9 @@ class LoggingSection(Section):
 class TrainConfig(Section):
     """The whole run."""
 
-    algorithm: Literal["rl", "sft", "dpo"] = "rl"
-    """RL from env rewards, or offline SFT / DPO on a dataset."""
+    algorithm: Literal["rl", "sft", "dpo", "rm"] = "rl"
+    """RL from env rewards (and ``[[rewards]]``), offline SFT / DPO on a dataset, or "rm": a
+    Bradley-Terry reward model trained on the preference pairs of ``offline.dataset``."""
     out: str = "runs/train"
     """Run directory (config.json, metrics.jsonl, eval.jsonl, checkpoints/, curves.png)."""
     seed: int = 0
@@ -234,7 +338,8 @@ class TrainConfig(Section):
     env: EnvSection = Field(default_factory=EnvSection)
     data: DataSection = Field(default_factory=DataSection)
     agent: AgentSection = Field(default_factory=AgentSection)
-    rollout: RolloutSection = Field(default_factory=RolloutSection)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Groups, sampling, workers, sync/async: the `RolloutManager`'s own config object."""
     engine: EngineSection = Field(default_factory=EngineSection)
     warmup: WarmupSection = Field(default_factory=WarmupSection)
     offline: OfflineSection = Field(default_factory=OfflineSection)
@@ -243,9 +348,18 @@ class TrainConfig(Section):
     benchmark_eval: BenchmarkEvalConfig = Field(default_factory=BenchmarkEvalConfig)
     """Benchmarks (``palaestra eval`` registry) evaluated every ``interval`` RL steps."""
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    critic: CriticSection = Field(default_factory=CriticSection)
+    """PPO's value model (used with ``trainer.loss.preset = "ppo"``, GAE advantages)."""
     services: ServicesSection = Field(default_factory=ServicesSection)
     """Processes the run starts beside itself (a retrieval server), stopped when it ends."""
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    rewards: list[RewardSourceConfig] = Field(default_factory=list)
+    """Reward sources of RL episodes (``[[rewards]]``: classifier, judge, env; weighted sum).
+    Empty: the env's reward alone."""
+    reward_worker: RewardWorkerSection = Field(default_factory=RewardWorkerSection)
+    """Where ``[[rewards]]`` models run (inline or a Ray actor), batching, timeouts, retries."""
+    placement: PlacementSection | None = None
+    """Trainer ranks and engine GPUs over the cluster's nodes (None: one trainer process)."""
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> TrainConfig:

@@ -5,10 +5,11 @@
 id (with its close match), env kwargs its constructor does not take, a missing, empty or broken
 task file (every bad row named, the first ones when there are many), rows without the fields the
 env's ``reset`` needs, too few rows to hold out ``eval.num_tasks`` and train on the rest, loss
-settings the loop cannot serve (GAE without a critic, group baselines over groups of one, KL
-without a reference model, an offline objective in an RL run), and data that runs out before the
-last step. `launch_problems` adds what only the machine that trains can tell (the model is
-there). Nothing heavy is imported: env classes are imported, never built; no torch.
+settings the loop cannot serve (a policy backend turned critic, PPO's [critic] settings, group
+baselines over groups of one, KL without a reference model, an offline objective in an RL run),
+and data that runs out before the last step. `launch_problems` adds what only the machine that
+trains can tell (the model is there). Nothing heavy is imported: env classes are imported, never
+built; no torch.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from palaestra.trainers.config import TrainConfig
 
 #: advantage estimators that compare a sample with the other samples of its group
-GROUP_BASELINES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+GROUP_BASELINES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "tree")
 CRITIC_FREE_PRESETS = "grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, reinforce_pp_baseline"
 
 
@@ -39,9 +40,11 @@ def config_problems(cfg: TrainConfig) -> list[Problem]:
         out += _offline_problems(cfg)
     if cfg.warmup.steps > 0:
         out += _demonstration_problems(cfg)
+    out += _reward_problems(cfg)
+    from palaestra.trainers.group.plan import placement_problems
     from palaestra.trainers.services import services_problems
 
-    return out + services_problems(cfg)
+    return out + services_problems(cfg) + placement_problems(cfg)
 
 
 def launch_problems(cfg: TrainConfig) -> list[Problem]:
@@ -55,8 +58,31 @@ def launch_problems(cfg: TrainConfig) -> list[Problem]:
     return []
 
 
+def _engine_kind_problems(cfg: TrainConfig) -> list[Problem]:
+    """Settings of ``engine.weight_sync`` (kind auto) that the embedded engine's in-process sync
+    never reads; the other kinds refuse the settings they do not have as unknown fields. Not
+    checked so, on purpose: the settings of the other ``engine.kind`` (the shipped local configs
+    set ``engine.device``, and switching one to servers with ``--engine.kind sglang
+    --engine.urls ...`` is a documented use) and of the other ``trainer.backend`` (shipped
+    configs carry ``[trainer.torch]`` and ``[trainer.megatron]``, and a script picks one with
+    ``--trainer.backend megatron``)."""
+    e, out = cfg.engine, list[Problem]()
+    sync = e.weight_sync
+    if sync.kind != "auto" or e.kind != "local":
+        return out  # auto for servers: distributed or disk, decided by CUDA at run time
+    # given and not at its default: a resolved config.json (a resume) sets every field
+    fields = type(sync).model_fields
+    for name in sorted(sync.model_fields_set - {"kind", "dtype"}):
+        if getattr(sync, name) != fields[name].get_default(call_default_factory=True):
+            out.append(Problem((f"engine.weight_sync.{name}", "engine.weight_sync.kind"), (
+                f"engine.weight_sync.{name} is a setting of the servers' sync (kind = "
+                "'distributed' / 'disk'); the 'in_process' sync of the embedded engine never "
+                "reads it: remove it, or set engine.kind = 'sglang'")))
+    return out
+
+
 def _engine_problems(cfg: TrainConfig) -> list[Problem]:
-    e, out = cfg.engine, []
+    e, out = cfg.engine, _engine_kind_problems(cfg)
     if e.kind == "sglang" and not e.urls and e.launch == "none":
         out.append(Problem(("engine",), "engine.kind = 'sglang' needs engine.urls (attach to "
                            "running servers) or engine.launch = 'sglang' / 'palaestra' (start them)"))
@@ -70,13 +96,13 @@ def _engine_problems(cfg: TrainConfig) -> list[Problem]:
     if e.launch == "palaestra" and e.launch_tp > 1:
         out.append(Problem(("engine.launch", "engine.launch_tp"),
                            "palaestra serve runs one GPU per server: set engine.launch_tp = 1"))
-    if e.kind == "local" and e.weight_sync not in ("auto", "in_process"):
+    if e.kind == "local" and e.weight_sync.kind not in ("auto", "in_process"):
         out.append(Problem(("engine.weight_sync", "engine.kind"), (
-            f"engine.weight_sync = {e.weight_sync!r} needs SGLang servers (engine.kind = "
-            "'sglang'); the embedded engine is updated in process")))
-    if e.kind == "sglang" and e.weight_sync == "in_process":
+            f"engine.weight_sync.kind = {e.weight_sync.kind!r} needs SGLang servers (engine.kind"
+            " = 'sglang'); the embedded engine is updated in process")))
+    if e.kind == "sglang" and e.weight_sync.kind == "in_process":
         out.append(Problem(("engine.weight_sync", "engine.kind"), (
-            "engine.weight_sync = 'in_process' needs the embedded engine; for SGLang servers "
+            "engine.weight_sync.kind = 'in_process' needs the embedded engine; for SGLang servers "
             "use distributed, disk or tensor")))
     if cfg.trainer.backend == "megatron" and not _megatron_installed():
         out.append(Problem(("trainer.backend",), (
@@ -86,23 +112,15 @@ def _engine_problems(cfg: TrainConfig) -> list[Problem]:
 
 
 def _rollout_problems(cfg: TrainConfig) -> list[Problem]:
-    from palaestra.rollout.groups import BUILTIN_FILTERS
+    from palaestra.rollout.config import rollout_problems
 
-    r, out = cfg.rollout, []
-    if r.max_concurrency < r.group_size:
-        out.append(Problem(("rollout.max_concurrency", "rollout.group_size"), (
-            f"rollout.max_concurrency = {r.max_concurrency} cannot hold one group of "
-            f"rollout.group_size = {r.group_size} episodes; raise max_concurrency to at least "
-            f"{r.group_size}")))
+    r = cfg.rollout
+    out = rollout_problems(r)  # the section's own (what RolloutManager checks too)
     if r.max_new_tokens >= cfg.agent.max_context:
         out.append(Problem(("rollout.max_new_tokens", "agent.max_context"), (
             f"rollout.max_new_tokens = {r.max_new_tokens} leaves no room for the prompt in "
             f"agent.max_context = {cfg.agent.max_context} tokens; raise agent.max_context or "
             "lower max_new_tokens")))
-    unknown = [f for f in r.filters if f not in BUILTIN_FILTERS]
-    if unknown:
-        out.append(Problem(("rollout.filters",), (
-            f"rollout.filters: unknown filter(s) {unknown}; use {sorted(BUILTIN_FILTERS)}")))
     return out
 
 
@@ -135,7 +153,7 @@ def _env_and_data_problems(cfg: TrainConfig) -> list[Problem]:
     else:
         env_ok = True
         unknown = unknown_kwargs(cls, cfg.env.kwargs) if cls is not None else []
-        if unknown:
+        if unknown and cls is not None:
             out.append(Problem(("env.kwargs",), (
                 f"env.kwargs: {cls.__name__} ({cfg.env.id}) takes no {', '.join(unknown)}; "
                 "see its docstring (`palaestra envs list`) for its arguments")))
@@ -194,18 +212,11 @@ def _loss_problems(cfg: TrainConfig) -> list[Problem]:
             f"rewards; for RL choose a preset of {CRITIC_FREE_PRESETS}, or set algorithm = "
             f"{loss.objective!r} with offline.dataset")))
         return out
-    if loss.advantage_estimator == "gae":
-        out.append(Problem(("trainer.loss",), (
-            f"trainer.loss.advantage_estimator = 'gae'{preset}: PPO's GAE advantages need a "
-            "critic (a learned value model), which the RL loop does not train yet; use a "
-            f"critic-free preset ({CRITIC_FREE_PRESETS}; reinforce_pp also works with "
-            "rollout.group_size = 1)")))
+    from palaestra.trainers.ppo.critic import critic_problems
+
+    out += critic_problems(cfg)  # GAE's critic ([critic]), PPO's mini-batches
     backend = cfg.trainer.megatron if cfg.trainer.backend == "megatron" else cfg.trainer.torch
     section = f"trainer.{cfg.trainer.backend}"
-    if getattr(backend, "critic", False) and loss.advantage_estimator != "gae":
-        out.append(Problem((f"{section}.critic",), (
-            f"{section}.critic = true trains a value model in place of the policy; the RL loop "
-            f"trains the policy: set --{section}.critic false")))
     if loss.advantage_estimator in GROUP_BASELINES and cfg.rollout.group_size < 2:
         out.append(Problem(("rollout.group_size", "trainer.loss"), (
             f"rollout.group_size = {cfg.rollout.group_size} with "
@@ -213,16 +224,18 @@ def _loss_problems(cfg: TrainConfig) -> list[Problem]:
             "other samples of its group, so a group of one has advantage 0 and nothing is "
             "trained; set --rollout.group_size 2 or more (e.g. 8), or use "
             "--trainer.loss.preset reinforce_pp (a batch baseline)")))
-    if loss.kl_coef > 0 and loss.kl_mode == "reward":
-        out.append(Problem(("trainer.loss.kl_mode", "trainer.loss.kl_coef"), (
-            f"trainer.loss.kl_mode = 'reward'{preset} with kl_coef = {loss.kl_coef} needs the "
-            "reference policy's logprobs before advantages are computed, which the RL loop does "
-            f"not do; use kl_mode = 'loss' with --{section}.ref_model true, or kl_coef = 0")))
-    elif loss.kl_coef > 0 and not getattr(backend, "ref_model", False):
+    if loss.advantage_estimator == "tree" and (loss.use_turn_rewards or (
+            loss.kl_mode == "reward" and loss.kl_coef > 0)):
+        out.append(Problem(("trainer.loss",), (
+            "trainer.loss.advantage_estimator = 'tree' values each node by its leaves' outcome "
+            "rewards; set --trainer.loss.use_turn_rewards false and --trainer.loss.kl_mode loss "
+            "(or use another estimator)")))
+    if loss.kl_coef > 0 and not getattr(backend, "ref_model", False):
+        where = " (in the reward)" if loss.kl_mode == "reward" else ""
         out.append(Problem(("trainer.loss.kl_coef", f"{section}.ref_model"), (
-            f"trainer.loss.kl_coef = {loss.kl_coef} needs a reference model to measure the KL "
-            f"against; set --{section}.ref_model true (a frozen copy of the initial policy), "
-            "or --trainer.loss.kl_coef 0")))
+            f"trainer.loss.kl_coef = {loss.kl_coef}{where} needs a reference model to "
+            f"measure the KL against; set --{section}.ref_model true (a frozen copy of the "
+            "initial policy), or --trainer.loss.kl_coef 0")))
     return out
 
 
@@ -240,6 +253,31 @@ def _offline_problems(cfg: TrainConfig) -> list[Problem]:
     if scan.problems:
         return [Problem(("offline.dataset",), f"offline.dataset = {dataset!r}: {scan.describe()}")]
     return []
+
+
+def _reward_problems(cfg: TrainConfig) -> list[Problem]:
+    """``[[rewards]]``: only RL episodes are scored; unique names; a classifier checkpoint that
+    is there (a judge's server is reached only when the run starts)."""
+    from palaestra.rollout.rewards.config import check_sources
+
+    if not cfg.rewards:
+        return []
+    if cfg.algorithm != "rl":
+        return [Problem(("rewards", "algorithm"), (
+            f"[[rewards]] score RL episodes; algorithm = {cfg.algorithm!r} trains on a dataset: "
+            "remove the [[rewards]] entries or set algorithm = 'rl'"))]
+    out = [Problem(("rewards",), p) for p in check_sources(cfg.rewards)]
+    for i, src in enumerate(cfg.rewards):
+        if src.kind == "classifier" and not (Path(str(src.path)) / "config.json").is_file():
+            out.append(Problem((f"rewards.{i}.path",), (
+                f"rewards[{i}] ({src.part_name}): no Hugging Face checkpoint at {src.path!r} (no "
+                "config.json); train one with algorithm = 'rm' (its <out>/final-model) or point "
+                "path at a sequence-classification checkpoint")))
+    if cfg.reward_worker.placement == "actor" and cfg.rollout.cluster != "ray":
+        out.append(Problem(("reward_worker.placement", "rollout.cluster"), (
+            "reward_worker.placement = 'actor' runs a Ray actor: set rollout.cluster = 'ray', or "
+            "placement = 'inline' (the sources run in this process)")))
+    return out
 
 
 def _demonstration_problems(cfg: TrainConfig) -> list[Problem]:

@@ -1,9 +1,11 @@
 """``palaestra train --dry-run``: the resolved config, the GPU placement and a per-GPU memory estimate.
 
-Nothing is started and nothing heavy is imported (no torch, no Ray). The placement comes from a
-``placement`` section of the config when there is one (fields of
-`palaestra.rollout.placement.PlacementConfig`), else from the environment variables the GPU
-recipes in ``scripts/`` set (``TrainConfig`` has no placement section yet):
+Nothing is started and nothing heavy is imported (no torch, no Ray). The placement comes from
+the config's ``[placement]`` section when there is one (`palaestra.rollout.placement.
+PlacementSection`: nodes, GPUs per node, trainer ranks, engine GPUs and tp, colocation, critic and
+reference ranks; `describe_section` prints its bundles per node, ranks, engines and memory per
+GPU), else from the environment variables the GPU recipes in ``scripts/`` still set (read only
+here, and only without a ``[placement]`` section):
 
 - ``PALAESTRA_TRAINER_GPUS``: GPUs of the trainer (default: ``PALAESTRA_GPUS``)
 - ``PALAESTRA_ENGINE_GPUS``: GPUs of the inference engines (default: all of them when
@@ -40,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from palaestra.errors import ConfigError
-from palaestra.trainers.config import TrainConfig
+from palaestra.trainers.config import DiskSync, DistributedSync, TrainConfig
 
 GIB = 1024**3
 
@@ -202,7 +204,9 @@ def train_memory(shape: ModelShape, cfg: TrainConfig, gpus: int, tp: int) -> dic
         activations = 2 * tokens * shape.hidden * shape.layers + per_layer
     else:
         activations = per_layer * shape.layers
-    copies = 2 if cfg.trainer.torch.critic else 1  # a critic of the policy's size
+    from palaestra.trainers.ppo.critic import uses_critic
+
+    copies = 2 if uses_critic(cfg) else 1  # a critic of the policy's size, on the same GPUs
     mem = {
         "weights": copies * 2 * p / tp,
         "grads": copies * 4 * p / tp,
@@ -286,21 +290,93 @@ def _engine_line(cfg: TrainConfig) -> str:
 
 
 def _sync_line(cfg: TrainConfig) -> str:
-    e = cfg.engine
-    method = e.weight_sync
+    e, sync = cfg.engine, cfg.engine.weight_sync
+    method: str = sync.kind
     if method == "auto":
         method = "in_process" if e.kind == "local" else "distributed if CUDA is here, else disk"
-    if e.kind == "sglang" and method.startswith("distributed"):
-        method += (f" ({e.sync_backend}, rendezvous {e.sync_master_address}:"
-                   f"{e.sync_master_port or 'any port'}, {e.sync_bucket_mb} MB buckets)")
-    elif method == "disk":
-        method += f" ({e.sync_dir})"
+    d = e.sync_settings("distributed") if method.startswith("distributed") else sync
+    if e.kind == "sglang" and isinstance(d, DistributedSync):
+        method += (f" ({d.backend}, rendezvous {d.master_address}:"
+                   f"{d.master_port or 'any port'}, {d.bucket_mb} MB buckets)")
+    elif isinstance(sync, DiskSync):
+        method += f" ({sync.dir})"
     return method
+
+
+def describe_section(cfg: TrainConfig, environ: Mapping[str, str]) -> str:
+    """The ``[placement]`` plan: bundles per node, trainer ranks and layout, engines, and the
+    memory estimate per GPU (per trainer rank in host memory on CPU bundles)."""
+    from palaestra.trainers.group.plan import require_plan
+
+    section = cfg.placement
+    assert section is not None
+    if section.model_shape:
+        environ = {**environ, "PALAESTRA_MODEL_SHAPE": section.model_shape}
+    shape = resolve_shape(cfg, environ)
+    lines = [_shape_line(cfg, shape)]
+    plan = require_plan(cfg)
+    lines += plan.describe_lines()
+    if section.trainer_ranks > 1:
+        where = "Ray actors on the placement group's bundles" if plan.on_gpu else \
+            "Ray actors on CPU bundles (FSDP2 over gloo)"
+        lines.append(f"trainer group: {section.trainer_ranks} ranks as {where}; the warm-start "
+                     "SFT phase, if any, trains in the driver process")
+    if shape is None:
+        return "\n".join(lines)
+    tp = plan.layout.get("tp", 1) * plan.layout.get("pp", 1)
+    ranks = len(plan.trainer_bundles)
+    policy = train_memory(shape, cfg, ranks, tp)
+    critic = bool(getattr(cfg.trainer.torch, "critic", False))
+    if critic and plan.critic_bundles:  # the critic's copy moves to its own ranks
+        policy = {k: (v / 2 if k in ("weights", "grads", "optimizer") else v)
+                  for k, v in policy.items()}
+    if getattr(cfg.trainer.torch, "ref_model", False) and plan.reference_bundles:
+        policy["weights"] -= 2 * shape.params / tp
+    if not plan.on_gpu:
+        total = sum(policy.values()) / GIB
+        lines.append(f"host memory per trainer rank (estimate): {total:.2f} GiB "
+                     f"(weights {policy['weights'] / GIB:.2f}, optimizer "
+                     f"{policy['optimizer'] / GIB:.2f}, activations "
+                     f"{policy['activations'] / GIB:.2f})")
+        return "\n".join(lines)
+    engine_tp = len(plan.engine_bundles[0]) if plan.engine_bundles else 1
+    rows = []
+    for i in range(len(plan.bundles)):
+        roles = plan.roles(i)
+        train: dict[str, float] = {}
+        if i in plan.trainer_bundles:
+            train = dict(policy)
+        elif i in plan.critic_bundles:
+            train = {"weights": 2 * shape.params / tp, "grads": 4 * shape.params / tp,
+                     "optimizer": 12 * shape.params / len(plan.critic_bundles),
+                     "activations": policy["activations"]}
+        elif i in plan.reference_bundles:
+            train = {"weights": 2 * shape.params / len(plan.reference_bundles)}
+        engine = {}
+        if any(i in span for span in plan.engine_bundles):
+            engine = engine_memory(shape, cfg, len(plan.engine_bundles), engine_tp)
+        rows.append(GpuRow(i, " + ".join(roles), train, engine))
+    lines.extend(format_table(rows, section.gpu_memory_gib))
+    if any(row.peak > section.gpu_memory_gib * GIB for row in rows):
+        lines.append("warning: some GPUs exceed their memory in this estimate; lower "
+                     "trainer.torch.max_tokens_per_micro_batch, add GPUs or raise tp")
+    return "\n".join(lines)
+
+
+def _shape_line(cfg: TrainConfig, shape: ModelShape | None) -> str:
+    if shape is None:
+        return (f"model shape: unknown ({cfg.model.path} has no config.json yet; set "
+                f"placement.model_shape to one of {', '.join(NAMED_SHAPES)} for an estimate)")
+    return (f"model shape: {shape.params / 1e9:.2f}B params, {shape.layers} layers, "
+            f"hidden {shape.hidden}, {shape.kv_heads} kv heads x {shape.head_dim} "
+            f"[{shape.source}]")
 
 
 def describe_placement(cfg: TrainConfig, environ: Mapping[str, str] | None = None) -> str:
     """The placement plan and per-GPU memory table, or the single-process layout."""
     environ = os.environ if environ is None else environ
+    if getattr(cfg, "placement", None) is not None:
+        return describe_section(cfg, environ)
     shape = resolve_shape(cfg, environ)
     lines = []
     if shape is None:
@@ -365,6 +441,9 @@ def describe_plan(cfg: TrainConfig, environ: Mapping[str, str] | None = None) ->
         lines.append(_tasks_line(cfg))
         if cfg.warmup.steps:
             lines.append(f"warm start: {cfg.warmup.steps} SFT steps on {cfg.warmup.demonstrations}")
+        from palaestra.trainers.ppo.critic import critic_plan_line
+
+        lines.append(critic_plan_line(cfg))
     from palaestra.trainers.config_checks import launch_problems
 
     lines += [f"warning: {p.message} (a run on this machine would stop here)"

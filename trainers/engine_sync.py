@@ -1,32 +1,34 @@
 """Weights from the training backend to the rollout engines after every step, by one path.
 
-`EngineSync.from_config` picks the path of ``[engine]`` (``weight_sync``): the embedded engine's
+`EngineSync.from_config` picks the path of ``[engine.weight_sync]``: the embedded engine's
 tensors overwritten in process; SGLang servers through a weight-update group (NCCL or gloo
-broadcast), through disk, or base64 tensors over HTTP. `EngineSync.push` is what the rollout
-manager runs between pausing and resuming generation; `last` holds the timing of the newest push
-(logged as ``sync/*``).
+broadcast), through disk, or base64 tensors over HTTP. `EngineSync.weights_of(backend)` is the
+`WeightPush` the rollout manager runs between pausing and resuming generation; `last` holds the
+timing of the newest push (logged as ``sync/*``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import ConfigError
 
 if TYPE_CHECKING:
+    from palaestra.contracts import WeightSource
+    from palaestra.engine import Engine
     from palaestra.rollout.engines.weight_transfer import TransferStats
-    from palaestra.trainers.config import TrainConfig
+    from palaestra.trainers.config import EngineSection
 
 
-def resolve_method(cfg: TrainConfig) -> str:
+def resolve_method(engine: EngineSection) -> str:
     """The concrete path of ``engine.weight_sync`` (``auto`` decided by engine kind and CUDA)."""
-    method = cfg.engine.weight_sync
+    method: str = engine.weight_sync.kind
     if method != "auto":
         return method
-    if cfg.engine.kind == "local":
+    if engine.kind == "local":
         return "in_process"
     import torch
 
@@ -36,7 +38,7 @@ def resolve_method(cfg: TrainConfig) -> str:
 class EngineSync:
     """One sync path, its sender (for SGLang servers) and the timing of the last push."""
 
-    def __init__(self, method: str, engine: Any, *, sender: Any = None, bucket_bytes: int,
+    def __init__(self, method: str, engine: Engine, *, sender: Any = None, bucket_bytes: int,
                  dtype: Any = None, device: str = "cpu") -> None:
         self.method = method
         self.engine = engine
@@ -45,53 +47,82 @@ class EngineSync:
         self.dtype = dtype
         self.device = device
         self.last: TransferStats | None = None
+        # LoRA to SGLang servers: the adapter as a peft folder here, loaded by the servers over
+        # /load_lora_adapter and named in every request of this process's engine (the run's
+        # loop sets it when the rollout is in process; Ray workers' own clients would not name
+        # it, so they get the merged weights by the configured path instead)
+        self.lora_servers = False
+        self.adapter_dir: Path | None = None
+        self._served_adapter: tuple[str, Path] | None = None
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig, engine: Any, policy_path: Path) -> EngineSync:
+    def from_config(cls, settings: EngineSection, engine: Any, policy_path: Path, *,
+                    out: str) -> EngineSync:
+        """The sync of ``[engine]`` (``settings``) to ``engine``; ``out``: the run directory
+        (``{out}`` in ``weight_sync.dir``)."""
         import torch
 
         from palaestra.rollout.engines.weight_transfer import (
             DiskWeightSender,
             DistributedWeightSender,
         )
+        from palaestra.trainers.config import DiskSync, DistributedSync
 
-        e = cfg.engine
-        method = resolve_method(cfg)
-        dtype = getattr(torch, e.sync_dtype) if e.sync_dtype else None
+        method = resolve_method(settings)
+        e = settings.sync_settings(method)
+        dtype = getattr(torch, e.dtype) if e.dtype else None
         sender: Any = None
         device = "cpu"
-        if method == "distributed":
-            if e.sync_backend == "nccl" and not torch.cuda.is_available():
-                raise ConfigError("engine.sync_backend = 'nccl' needs CUDA here; use 'gloo' "
-                                  "or engine.weight_sync = 'disk'")
+        bucket_mb = 512  # the in-process and tensor paths move the weights whole
+        if isinstance(e, DistributedSync):
+            if e.backend == "nccl" and not torch.cuda.is_available():
+                raise ConfigError("engine.weight_sync.backend = 'nccl' needs CUDA here; use "
+                                  "'gloo' or engine.weight_sync.kind = 'disk'")
             sender = DistributedWeightSender(
-                engine.clients, backend=e.sync_backend, master_address=e.sync_master_address,
-                master_port=e.sync_master_port, timeout_s=e.sync_timeout_s)
-            if e.sync_backend == "nccl":  # a CUDA snapshot of the weights: no host round trip
+                engine.clients, backend=e.backend, master_address=e.master_address,
+                master_port=e.master_port, timeout_s=e.timeout_s)
+            if e.backend == "nccl":  # a CUDA snapshot of the weights: no host round trip
                 device = "cuda"
-        elif method == "disk":
-            sender = DiskWeightSender(engine.clients, e.sync_dir.replace("{out}", cfg.out),
+            bucket_mb = e.bucket_mb
+        elif isinstance(e, DiskSync):
+            sender = DiskWeightSender(engine.clients, e.dir.replace("{out}", out),
                                       model_dir=policy_path, keep_last=2)
-        return cls(method, engine, sender=sender, bucket_bytes=e.sync_bucket_mb << 20,
+            bucket_mb = e.bucket_mb
+        sync = cls(method, engine, sender=sender, bucket_bytes=bucket_mb << 20,
                    dtype=dtype, device=device)
+        sync.adapter_dir = Path(out) / "lora-sync"
+        return sync
 
-    def push(self, backend: Any, version: int) -> Callable[[Any], Awaitable[None]]:
-        """The transfer of ``backend``'s weights as ``version``, for `RolloutManager.update_weights`."""
-        async def run(_control: Any) -> None:
-            await self.push_now(backend, version)
+    def weights_of(self, backend: WeightSource) -> BackendWeights:
+        """``backend``'s weights as a `WeightPush`, for `RolloutManager.update_weights`."""
+        return BackendWeights(self, backend)
 
-        return run
-
-    async def push_now(self, backend: Any, version: int) -> TransferStats:
+    async def push_now(self, backend: WeightSource, version: int) -> TransferStats:
         """Move the weights now (generation should be paused) and time it."""
         from palaestra.rollout.engines.weight_transfer import TransferStats
 
+        if self.lora_servers and getattr(backend, "lora", None) is not None \
+                and not hasattr(self.engine, "update_adapter"):
+            self.last = await self._push_adapter_to_servers(backend, version)
+            return self.last
         if self.sender is not None:
             buckets = backend.iter_engine_weight_buckets(
                 self.bucket_bytes, dtype=self.dtype, device=self.device)
             self.last = await self.sender.push(buckets, version)
             return self.last
         start = time.perf_counter()
+        adapter = self._adapter_of(backend)
+        if adapter is not None:  # LoRA: the adapter only; the engine applies it
+            state, config = adapter
+            dtype = self.dtype or getattr(self.engine, "dtype", None)  # what the engine computes in
+            if dtype is not None:
+                state = {k: v.to(dtype) for k, v in state.items()}
+            await self.engine.update_adapter(state, config, name=backend.lora.adapter_name,
+                                             version=version)
+            self.last = TransferStats(time.perf_counter() - start,
+                                      sum(t.numel() * t.element_size() for t in state.values()),
+                                      len(state), 1)
+            return self.last
         weights = backend.state_dict_for_engines(  # straight onto the engine's device
             dtype=self.dtype, device=getattr(self.engine, "device", "cpu"))
         await self.engine.update_weights(weights, version=version)
@@ -100,6 +131,36 @@ class EngineSync:
                                   sum(t.numel() * t.element_size() for t in unique),
                                   len(weights), 1)
         return self.last
+
+    async def _push_adapter_to_servers(self, backend: Any, version: int) -> TransferStats:
+        """Write the adapter as a peft folder, have every server load it under a versioned
+        name (SGLang refuses to reload a loaded name), make it the engine's default adapter
+        and unload the previous version. The servers must see this machine's disk."""
+        import shutil
+
+        from palaestra.rollout.engines.weight_transfer import TransferStats
+
+        if self.adapter_dir is None or not hasattr(self.engine, "load_lora_adapter"):
+            raise ConfigError("LoRA to servers needs an engine with /load_lora_adapter "
+                              "(SGLangEngine) and a run directory (EngineSync.from_config)")
+        start = time.perf_counter()
+        name = f"{backend.lora.adapter_name}-v{version}"
+        folder = backend.export_adapter(self.adapter_dir / name)
+        await self.engine.load_lora_adapter(name, str(folder))
+        old, self._served_adapter = self._served_adapter, (name, folder)
+        self.engine.default_lora = name  # type: ignore[attr-defined]
+        if old is not None and old[0] != name:
+            await self.engine.unload_lora_adapter(old[0])
+            shutil.rmtree(old[1], ignore_errors=True)
+        size = sum(f.stat().st_size for f in folder.iterdir() if f.suffix == ".safetensors")
+        return TransferStats(time.perf_counter() - start, size, 1, 1)
+
+    def _adapter_of(self, backend: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """A LoRA backend's adapter when the engine applies adapters in process, else None
+        (other paths get the merged weights from ``state_dict_for_engines``)."""
+        if getattr(backend, "lora", None) is None or not hasattr(self.engine, "update_adapter"):
+            return None
+        return backend.adapter_for_engines()  # type: ignore[no-any-return]
 
     async def push_checkpoint(self, path: Path, version: int) -> None:
         """Load a Hugging Face checkpoint folder into the engines (e.g. the warm-started policy):
@@ -115,6 +176,54 @@ class EngineSync:
         if self.dtype is not None:
             named = ((n, t.to(self.dtype) if t.is_floating_point() else t) for n, t in named)
         self.last = await self.sender.push(bucketize(named, self.bucket_bytes), version)
+
+    async def push_to(self, client: Any, backend: WeightSource, version: int) -> TransferStats:
+        """The current weights to one more server only (an engine joining a running run), by
+        the run's path: a weight-update group of that server alone, a disk version, or HTTP
+        tensors. The run's own sender is not touched (see `set_clients`)."""
+        from palaestra.rollout.engines.weight_transfer import (
+            DiskWeightSender,
+            DistributedWeightSender,
+            TransferStats,
+        )
+
+        s = self.sender
+        if isinstance(s, DistributedWeightSender):
+            one: Any = DistributedWeightSender(
+                [client], backend=s.backend, master_address=s.master_address, master_port=0,
+                timeout_s=s.timeout_s, device=s.device)
+        elif isinstance(s, DiskWeightSender):
+            one = DiskWeightSender([client], s.directory, model_dir=s.model_dir,
+                                   keep_last=s.keep_last)
+        elif s is None and self.method == "tensor":
+            start = time.perf_counter()
+            weights = backend.state_dict_for_engines(dtype=self.dtype, device="cpu")
+            await client.update_weights(weights, version=version)
+            unique = {t.data_ptr(): t for t in weights.values()}.values()
+            return TransferStats(time.perf_counter() - start,
+                                 sum(t.numel() * t.element_size() for t in unique),
+                                 len(weights), 1)
+        else:
+            raise ConfigError(f"engine.weight_sync {self.method!r} cannot reach a server that "
+                              "joins a running run; engines join runs with engine.kind = "
+                              "'sglang' (weight_sync distributed, disk or tensor)")
+        try:
+            await one.connect()
+            return await one.push(backend.iter_engine_weight_buckets(
+                self.bucket_bytes, dtype=self.dtype, device=self.device), version)  # type: ignore[no-any-return]
+        finally:
+            await one.close()
+
+    async def set_clients(self, clients: list[Any]) -> None:
+        """The servers later pushes go to (engines joined or left the run). A weight-update
+        group is torn down and forms again over them at the next push."""
+        from palaestra.rollout.engines.weight_transfer import DistributedWeightSender
+
+        if self.sender is None:
+            return
+        if isinstance(self.sender, DistributedWeightSender):
+            await self.sender.close()
+        self.sender.clients = list(clients)
 
     def metrics(self) -> dict[str, float]:
         """``sync/*`` of the last push (empty before the first), with the servers that declined
@@ -132,4 +241,16 @@ class EngineSync:
             await self.sender.close()
 
 
-__all__ = ["EngineSync", "resolve_method"]
+@dataclass(frozen=True)
+class BackendWeights:
+    """A `palaestra.rollout.weight_push.WeightPush`: the training backend's current weights
+    through the run's sync path."""
+
+    sync: EngineSync
+    backend: WeightSource
+
+    async def push(self, version: int) -> None:
+        await self.sync.push_now(self.backend, version)
+
+
+__all__ = ["BackendWeights", "EngineSync", "resolve_method"]

@@ -29,17 +29,35 @@ import json
 import math
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palaestra.config import save_resolved
+from palaestra.trainers.builders import agent_spec, build_backend, build_engine
 from palaestra.trainers.config import TrainConfig
 from palaestra.trainers.engine_sync import EngineSync
 from palaestra.trainers.run_dir import ConsoleLog, RunDir, check_resume, plot_curves
 from palaestra.trainers.services import run_env_kwargs, run_services
+
+if TYPE_CHECKING:
+    from palaestra.agents.spec import AgentSpec
+    from palaestra.contracts import TrainerBackend
+    from palaestra.engine import Engine
+    from palaestra.evaluation import TrainingEvaluation
+    from palaestra.rollout.engines import LocalEngine
+    from palaestra.rollout.engines.serve import RunningServer
+    from palaestra.rollout.engines.sglang import SGLangEngine
+    from palaestra.rollout.manager import RolloutManager
+    from palaestra.rollout.placement import RunPlan
+    from palaestra.rollout.rewards.worker import RewardClient
+    from palaestra.trainers.algorithms.config import LossConfig
+    from palaestra.trainers.batching import TrainBatch
+    from palaestra.trainers.elastic import AdminServer, ElasticEngines
+    from palaestra.trainers.ppo.step import PPOStepResult
+    from palaestra.types import Sample
 
 
 def ensure_model(cfg: TrainConfig) -> Path:
@@ -59,52 +77,9 @@ def ensure_model(cfg: TrainConfig) -> Path:
     return build_model(path, cfg.model.init_size, seed=cfg.model.init_seed)
 
 
-def agent_spec(cfg: TrainConfig, tokenizer_path: Path) -> Any:
-    from palaestra.agents import AgentSpec
-
-    return AgentSpec(
-        str(tokenizer_path),
-        family=cfg.agent.family,
-        max_context=cfg.agent.max_context,
-        drift_rate=cfg.agent.drift_rate,
-        strict_drift=cfg.agent.strict_drift,
-        tools_in_prompt=cfg.agent.tools_in_prompt,
-    )
-
-
-def sampling_params(cfg: TrainConfig, temperature: float | None = None) -> Any:
-    from palaestra.rollout.engines.base import SamplingParams
-
-    return SamplingParams(
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        temperature=cfg.rollout.temperature if temperature is None else temperature,
-        top_p=cfg.rollout.top_p,
-    )
-
-
-def build_engine(cfg: TrainConfig, model_path: Path) -> Any:
-    """The embedded engine, or a client over SGLang servers (``engine.urls`` and the ones
-    ``engine.launch`` starts, logging to ``<out>/servers``)."""
-    if cfg.engine.kind == "sglang":
-        from palaestra.trainers.server_launch import launched_engine
-
-        return launched_engine(cfg.engine, model_path, Path(cfg.out) / "servers")
-    from palaestra.rollout.engines import LocalEngine
-
-    return LocalEngine(
-        model_path,
-        device=cfg.engine.device,
-        max_running=cfg.engine.max_running,
-        max_model_len=cfg.agent.max_context,
-        seed=cfg.seed,
-        # async mode too: the engine captures its graphs thread-locally on its own stream, so
-        # the training thread's kernels beside them neither fail nor serialise with decode
-        cuda_graphs=True,
-    )
-
-
 async def evaluate_stage(
-    cfg: TrainConfig, run: RunDir, engine: Any, spec: Any, stage: str, step: int | None = None
+    cfg: TrainConfig, run: RunDir, engine: Engine, spec: AgentSpec, stage: str,
+    step: int | None = None,
 ) -> dict[str, float]:
     """Success rate on the fixed held-out tasks; logged to eval.jsonl under ``stage``."""
     with _phases(_PHASE_OF_EVAL.get(stage, "evals")):
@@ -115,7 +90,7 @@ _PHASE_OF_EVAL = {"init": "init eval"}
 
 
 async def _evaluate_stage(
-    cfg: TrainConfig, run: RunDir, engine: Any, spec: Any, stage: str, step: int | None
+    cfg: TrainConfig, run: RunDir, engine: Engine, spec: AgentSpec, stage: str, step: int | None
 ) -> dict[str, float]:
     from palaestra.rollout.tasks import evaluate_tasks, tasks_from_env
 
@@ -124,7 +99,7 @@ async def _evaluate_stage(
     ) if cfg.data.path is None else _eval_rows_from_file(cfg)
     start = time.perf_counter()
     metrics, episodes = await evaluate_tasks(
-        engine, spec, cfg.env.id, rows, sampling_params(cfg, cfg.eval.temperature),
+        engine, spec, cfg.env.id, rows, cfg.rollout.sampling(cfg.eval.temperature),
         env_kwargs=run_env_kwargs(cfg), seed=cfg.eval.seed,
     )
     record = {"stage": stage, **metrics, "time_s": round(time.perf_counter() - start, 2)}
@@ -165,42 +140,22 @@ def _train_rows(cfg: TrainConfig) -> list[dict[str, Any]]:
     return split_held_out(rows, cfg.eval.num_tasks)[0]  # the held-out tail is never trained on
 
 
-def megatron_backend(cfg: TrainConfig, model_path: Path, **changes: Any) -> Any:
-    """A Megatron-core backend on ``model_path`` from ``trainer.megatron`` (seeded, its schedule
-    over ``trainer.steps``), with ``changes`` to those settings."""
-    from transformers import AutoConfig
+def _trainer_group(cfg: TrainConfig) -> RunPlan | None:
+    """The plan of a trainer group (``[placement]`` with several trainer ranks), else None."""
+    from palaestra.trainers.group.plan import group_size, require_plan
 
-    from palaestra.trainers.megatron import MegatronBackend
-
-    changes = {"seed": cfg.seed, **changes}
-    if cfg.trainer.megatron.lr_schedule != "constant":
-        changes["total_steps"] = cfg.trainer.steps
-    return MegatronBackend(AutoConfig.from_pretrained(model_path),
-                           cfg.trainer.megatron.model_copy(update=changes), model_path=model_path)
+    return require_plan(cfg) if group_size(cfg) > 1 else None
 
 
-def build_backend(cfg: TrainConfig, policy_path: Path) -> Any:
-    """The RL training backend: the PyTorch one, or Megatron-core on CUDA machines."""
-    if cfg.trainer.backend == "megatron":
-        return megatron_backend(cfg, policy_path, logits_temperature=cfg.rollout.temperature)
-    from palaestra.trainers.torch_backend import TorchBackend
+def _build_critic(cfg: TrainConfig, policy_path: Path) -> Any:
+    """The ``[critic]`` backend when the loss needs values (PPO's GAE), else None."""
+    from palaestra.trainers.ppo.critic import build_critic, uses_critic
 
-    return TorchBackend(policy_path, backend_config(cfg, steps=cfg.trainer.steps))
-
-
-def backend_config(cfg: TrainConfig, *, lr: float | None = None, steps: int | None = None) -> Any:
-    """The torch backend settings of a phase (logits scaled by the sampling temperature)."""
-    changes: dict[str, Any] = {"logits_temperature": cfg.rollout.temperature, "seed": cfg.seed}
-    if lr is not None:
-        changes["lr"] = lr
-    torch_cfg = cfg.trainer.torch
-    if steps is not None and torch_cfg.lr_schedule != "constant":
-        changes["total_steps"] = steps
-    return torch_cfg.model_copy(update=changes)
+    return build_critic(cfg, policy_path) if uses_critic(cfg) else None
 
 
 # ----------------------------------------------------------------------------------- phases
-async def run_warmup(cfg: TrainConfig, run: RunDir, model_path: Path, spec: Any) -> Path:
+async def run_warmup(cfg: TrainConfig, run: RunDir, model_path: Path, spec: AgentSpec) -> Path:
     """SFT on demonstrations; returns the exported warm-started model (resumable)."""
     from palaestra.trainers.offline import demonstration_samples, sft_steps
 
@@ -216,125 +171,250 @@ async def run_warmup(cfg: TrainConfig, run: RunDir, model_path: Path, spec: Any)
     return out
 
 
-async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: Any, engine: Any,
-                 sync: EngineSync) -> None:
-    """The RL steps, resumable from the newest ``rl-*`` checkpoint."""
-    from palaestra.rollout import DataSource, EngineSpec, RolloutManager, WorkerConfig
-    from palaestra.rollout.config import RolloutConfig
-    from palaestra.trainers.algorithms import compute_advantages
-    from palaestra.trainers.batching import TrainBatch
-
-    r = cfg.rollout
-    backend = build_backend(cfg, policy_path)
-    data = DataSource(_train_rows(cfg), env_id=cfg.env.id, shuffle=cfg.data.shuffle,
-                      seed=cfg.data.seed, epochs=cfg.data.epochs)
-    server = None
-    if r.cluster == "ray" and cfg.engine.kind == "sglang":
-        engine_spec, live_engine = EngineSpec.http([c.url for c in engine.clients]), None
-    elif r.cluster == "ray":
-        from palaestra.rollout.engines.serve import start_server
-
-        server = await start_server(engine, port=0)
-        engine_spec = EngineSpec.http([server.url])
-        live_engine = None
-    else:
-        engine_spec, live_engine = EngineSpec(), engine
-    worker_cfg = WorkerConfig(
-        engine=engine_spec, agent=spec, sampling=sampling_params(cfg),
-        env_kwargs={cfg.env.id: run_env_kwargs(cfg)}, max_turns=r.max_turns,
-        seed_sampling=True,  # a seed per request: no sample depends on a shared RNG stream
-    )
-    rollout_cfg = RolloutConfig(
-        batch_size=r.batch_size, group_size=r.group_size, max_concurrency=r.max_concurrency,
-        over_sampling=r.over_sampling, filters=tuple(r.filters), mode=r.mode,
-        max_staleness=r.max_staleness, max_failure_rate=r.max_failure_rate,
-        num_workers=r.num_workers,
-    )
-    manager = RolloutManager(data, worker_cfg, rollout_cfg, cluster=r.cluster,
-                             address=r.ray_address, engine=live_engine, seed=cfg.seed,
-                             exact=r.mode == "sync")
-    if r.mode == "sync" and r.over_sampling > 1:
-        print(f"[rl] rollout.over_sampling = {r.over_sampling} draws nothing ahead in sync mode "
-              "(exact batches: groups drawn ahead would finish by timing); it applies in async "
-              "mode", flush=True)
-    start_step = 0
-    counts: Counter[str] = Counter()  # skipped optimizer steps, failed episodes (whole run)
-    latest = run.latest_checkpoint("rl") if cfg.checkpoint.resume else None
-    if latest is not None:
-        state = backend.load(latest)  # the saved extras sit beside the backend's own keys
-        start_step = int(state["rl_step"])
-        counts.update(state.get("counts", {}))
-        manager.load_state_dict(state["rollout"])
-        await sync.push_now(backend, start_step)
-        run.truncate_metrics_after("rl", start_step - 1)
-        print(f"resumed RL from {latest.name} (step {start_step})", flush=True)
-    elif engine.weight_version != 0 or cfg.engine.kind == "sglang":
-        await sync.push_now(backend, 0)  # servers may hold anything: start them at the policy
-    progress = _progress(cfg, start_step)
-    evaluator = None
-    if cfg.benchmark_eval.benchmarks:
-        from palaestra.agents import load_tokenizer
-        from palaestra.benchmarks.training import TrainingEvaluator
-
-        evaluator = TrainingEvaluator(cfg.benchmark_eval, tokenizer=load_tokenizer(policy_path),
-                                      family=cfg.agent.family, max_context=cfg.agent.max_context,
-                                      tools_in_prompt=cfg.agent.tools_in_prompt,
-                                      run_dir=run.root)
+async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: AgentSpec,
+                 engine: LocalEngine | SGLangEngine, sync: EngineSync) -> None:
+    """The RL steps, resumable from the newest ``rl-*`` checkpoint (the phases: `RLRun`)."""
+    rl = await RLRun.setup(cfg, run, policy_path, spec, engine, sync)
+    start_step = await rl.resume()
+    await rl.start(start_step)
     try:
-        async with manager:
+        async with rl.manager:
             for step in range(start_step, cfg.trainer.steps):
-                t0 = time.perf_counter()
-                batch = await manager.generate_batch(step)
-                t1 = time.perf_counter()
-                train_batch = compute_advantages(TrainBatch.from_samples(batch.samples),
-                                                 cfg.trainer.loss)
-                if batch.failed:
-                    counts["failed_episodes"] += run.log_failures("rl", step, batch.failed)
-                    progress.note(_failure_line(step, batch, run))
-                train_metrics: dict[str, float] = {}
-                for _ in range(cfg.trainer.updates_per_batch):
-                    train_metrics = await asyncio.to_thread(
-                        backend.train_step, train_batch, cfg.trainer.loss
-                    )
-                    if _update_skipped(train_metrics):
-                        counts["skipped_steps"] += 1
-                        progress.note(
-                            f"[rl step {step}] the gradients are not finite (grad norm "
-                            f"{train_metrics.get('grad_norm')}, loss {train_metrics.get('loss')}):"
-                            f" the optimizer step was skipped ({counts['skipped_steps']} so far)"
-                        )
-                t2 = time.perf_counter()
-                sync_times = await manager.update_weights(
-                    push=sync.push(backend, step + 1), version=step + 1
+                await rl.step(step)
+        rl.finish()
+    finally:
+        await rl.close()
+
+
+class RLRun:
+    """One RL phase in named parts: `setup` (backend, critic, tasks, rollout manager), `resume`
+    (the newest ``rl-*`` checkpoint, else the engines at the policy), `start` (progress, elastic
+    engines, benchmark evaluator), `step` (rollout batch -> advantages -> update(s) -> weights ->
+    metrics -> evaluation -> `checkpoint`), `finish` (the final model folders), `close`."""
+
+    def __init__(self, cfg: TrainConfig, run: RunDir, policy_path: Path, spec: AgentSpec,
+                 engine: LocalEngine | SGLangEngine, sync: EngineSync, *,
+                 backend: TrainerBackend[TrainBatch, LossConfig], critic: Any,
+                 manager: RolloutManager, rewards: RewardClient | None,
+                 server: RunningServer | None) -> None:
+        self.cfg, self.run, self.policy_path, self.spec = cfg, run, policy_path, spec
+        self.engine, self.sync, self.backend, self.critic = engine, sync, backend, critic
+        self.manager, self.rewards, self.server = manager, rewards, server
+        self.counts: Counter[str] = Counter()  # skipped optimizer steps, failed episodes (run)
+        self.progress: _Progress | None = None
+        self.admin: AdminServer | None = None
+        self.elastic: ElasticEngines | None = None
+        self.evaluator: TrainingEvaluation | None = None
+
+    @classmethod
+    async def setup(cls, cfg: TrainConfig, run: RunDir, policy_path: Path, spec: AgentSpec,
+                    engine: LocalEngine | SGLangEngine, sync: EngineSync) -> RLRun:
+        """The backend, the critic, the tasks, the engines as workers see them, the manager."""
+        from palaestra.rollout import DataSource, EngineSpec, RolloutManager, WorkerConfig
+        from palaestra.rollout.engines.sglang import SGLangEngine
+
+        r = cfg.rollout
+        backend = build_backend(cfg.trainer, policy_path, temperature=r.temperature,
+                                seed=cfg.seed, group=_trainer_group(cfg),
+                                ray_address=r.ray_address)
+        critic = _build_critic(cfg, policy_path)  # PPO's value model (GAE advantages), else None
+        data = DataSource(_train_rows(cfg), env_id=cfg.env.id, shuffle=cfg.data.shuffle,
+                          seed=cfg.data.seed, epochs=cfg.data.epochs)
+        server = None
+        live_engine: LocalEngine | SGLangEngine | None
+        if r.cluster != "ray":  # in-process workers share the engine object
+            engine_spec, live_engine = EngineSpec(), engine
+        elif isinstance(engine, SGLangEngine):  # engine.kind = "sglang": Ray workers attach
+            engine_spec, live_engine = EngineSpec.http([c.url for c in engine.clients]), None
+        else:  # the embedded engine served over loopback HTTP to Ray workers
+            from palaestra.rollout.engines.serve import start_server
+
+            server = await start_server(engine, port=0)
+            engine_spec = EngineSpec.http([server.url])
+            live_engine = None
+        from palaestra.rollout.rewards import reward_client
+
+        # [[rewards]]: reward models/judges score each episode as it finishes (None: the env's)
+        rewards = reward_client(cfg.rewards, cfg.reward_worker, r.cluster)
+        worker_cfg = WorkerConfig(
+            engine=engine_spec, agent=spec, sampling=r.sampling(),
+            env_kwargs={cfg.env.id: run_env_kwargs(cfg)}, max_turns=r.max_turns,
+            seed_sampling=True,  # a seed per request: no sample depends on a shared RNG stream
+            rewards=rewards,
+        )
+        # [rollout] is the manager's own config (checked when the config loaded)
+        manager = RolloutManager(data, worker_cfg, r, engine=live_engine, seed=cfg.seed,
+                                 exact=r.mode == "sync")
+        if r.mode == "sync" and r.over_sampling > 1:
+            print(f"[rl] rollout.over_sampling = {r.over_sampling} draws nothing ahead in sync "
+                  "mode (exact batches: groups drawn ahead would finish by timing); it applies "
+                  "in async mode", flush=True)
+        return cls(cfg, run, policy_path, spec, engine, sync, backend=backend, critic=critic,
+                   manager=manager, rewards=rewards, server=server)
+
+    async def resume(self) -> int:
+        """The first step: from the newest ``rl-*`` checkpoint (its weights pushed to the
+        engines), else 0 (servers, which may hold anything, get the policy)."""
+        cfg, run, backend = self.cfg, self.run, self.backend
+        start_step = 0
+        latest = run.latest_checkpoint("rl") if cfg.checkpoint.resume else None
+        if latest is not None:
+            state = backend.load(latest)  # the saved extras sit beside the backend's own keys
+            start_step = int(state["rl_step"])
+            self.counts.update(state.get("counts", {}))
+            if self.critic is not None:
+                self.critic.load(latest / "critic")
+            self.manager.load_state_dict(state["rollout"])
+            await self.sync.push_now(backend, start_step)
+            run.truncate_metrics_after("rl", start_step - 1)
+            print(f"resumed RL from {latest.name} (step {start_step})", flush=True)
+        elif self.engine.weight_version != 0 or cfg.engine.kind == "sglang":
+            await self.sync.push_now(backend, 0)  # servers may hold anything: the policy
+        return start_step
+
+    async def start(self, start_step: int) -> None:
+        """The progress bar, the admin endpoint of elastic engines, the benchmark evaluator."""
+        cfg = self.cfg
+        self.progress = _progress(cfg, start_step)
+        from palaestra.trainers.elastic import start_admin
+
+        # engines join and leave while the steps run (`palaestra engines add|remove URL`)
+        self.admin = await start_admin(cfg, self.run.root, self.engine, self.sync,
+                                       self.policy_path)
+        self.elastic = None if self.admin is None else self.admin.elastic
+        if cfg.benchmark_eval.benchmarks:
+            from palaestra.agents import load_tokenizer
+            from palaestra.evaluation import training_evaluator
+
+            self.evaluator = training_evaluator(
+                cfg.benchmark_eval, tokenizer=load_tokenizer(self.policy_path),
+                family=cfg.agent.family, max_context=cfg.agent.max_context,
+                tools_in_prompt=cfg.agent.tools_in_prompt, run_dir=self.run.root)
+
+    def _note(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress.note(line)
+
+    async def step(self, step: int) -> None:
+        """One RL step: batch, update(s), weights to the engines, metrics, evaluation,
+        checkpoint."""
+        cfg, run, elastic = self.cfg, self.run, self.elastic
+        if elastic is not None:  # joining engines get the weights of version `step`
+            await elastic.apply_joins(self.backend, version=step, step=step)
+        t0 = time.perf_counter()
+        batch = await self.manager.generate_batch(step)
+        t1 = time.perf_counter()
+        train_batch, ppo = await self._advantages(batch.samples, step)
+        if batch.failed:
+            self.counts["failed_episodes"] += run.log_failures("rl", step, batch.failed)
+            self._note(_failure_line(step, batch, run))
+        train_metrics = ppo.metrics if ppo is not None else await self._train_steps(
+            train_batch, step)
+        t2 = time.perf_counter()
+        sync_times = await self.manager.update_weights(
+            push=(self.sync if elastic is None else elastic).weights_of(self.backend),
+            version=step + 1,
+        )
+        t3 = time.perf_counter()
+        record = _step_record(step, batch.metrics, train_metrics, sync_times,
+                              rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
+                              warmup_steps=cfg.warmup.steps)
+        record.update(self.sync.metrics())
+        if elastic is not None:  # engines/count, added, removed, requests per engine
+            record.update(elastic.metrics())
+        if ppo is not None:  # the PPO breakdown: time/values_s, time/actor_update_s, ...
+            record.update(ppo.times)
+            for what in ppo.skipped:
+                self._note(f"[rl step {step}] {what}: the gradients are not finite, "
+                           "the optimizer step was skipped")
+        record["train/skipped_steps"] = self.counts["skipped_steps"]
+        if self.evaluator is not None and self.evaluator.due(step + 1):
+            record.update(await self.evaluator.evaluate(self.engine, step + 1))
+        run.log_metrics(record)
+        if self.progress is not None:
+            self.progress.update(record)
+        if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0 \
+                and step + 1 < cfg.trainer.steps:
+            await evaluate_stage(cfg, run, self.engine, self.spec, f"step-{step + 1}", step + 1)
+        await self.checkpoint(step + 1)
+
+    async def _advantages(self, samples: Sequence[Sample], step: int
+                          ) -> tuple[TrainBatch, PPOStepResult | None]:
+        """The batch with its advantages; with a critic, PPO's whole step (values, GAE, its
+        epochs of critic and actor updates) and its result."""
+        from palaestra.trainers.algorithms import compute_advantages
+        from palaestra.trainers.batching import TrainBatch
+        from palaestra.trainers.ppo.step import ppo_step, with_reward_kl_logprobs
+
+        cfg, backend = self.cfg, self.backend
+        train_batch = TrainBatch.from_samples(samples)
+        if self.critic is not None:  # values, GAE, epochs of critic and actor updates
+            ppo = await asyncio.to_thread(ppo_step, cfg, backend, self.critic, train_batch, step)
+            self.counts["skipped_steps"] += len(ppo.skipped)
+            return train_batch, ppo
+        return compute_advantages(await asyncio.to_thread(
+            with_reward_kl_logprobs, backend, train_batch, cfg.trainer.loss),
+            cfg.trainer.loss), None
+
+    async def _train_steps(self, train_batch: TrainBatch, step: int) -> dict[str, float]:
+        """``trainer.updates_per_batch`` optimizer steps; the metrics of the last."""
+        cfg = self.cfg
+        train_metrics: dict[str, float] = {}
+        for _ in range(cfg.trainer.updates_per_batch):
+            train_metrics = dict(await asyncio.to_thread(
+                self.backend.train_step, train_batch, cfg.trainer.loss
+            ))
+            if _update_skipped(train_metrics):
+                self.counts["skipped_steps"] += 1
+                self._note(
+                    f"[rl step {step}] the gradients are not finite (grad norm "
+                    f"{train_metrics.get('grad_norm')}, loss {train_metrics.get('loss')}):"
+                    f" the optimizer step was skipped ({self.counts['skipped_steps']} so far)"
                 )
-                t3 = time.perf_counter()
-                record = _step_record(step, batch.metrics, train_metrics, sync_times,
-                                      rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
-                                      warmup_steps=cfg.warmup.steps)
-                record.update(sync.metrics())
-                record["train/skipped_steps"] = counts["skipped_steps"]
-                if evaluator is not None and evaluator.due(step + 1):
-                    record.update(await evaluator.evaluate(engine, step + 1))
-                run.log_metrics(record)
-                progress.update(record)
-                if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0 \
-                        and step + 1 < cfg.trainer.steps:
-                    await evaluate_stage(cfg, run, engine, spec, f"step-{step + 1}", step + 1)
-                if (step + 1) % cfg.checkpoint.interval == 0 or step + 1 == cfg.trainer.steps:
-                    _save_rl(cfg, run, backend, manager, step + 1, counts)
-        # the trained policy as a Hugging Face folder (tokenizer included): `palaestra eval
-        # --model <out>/final-model`, SGLang or transformers load it as it is
-        backend.export_hf(run.root / "final-model")
-        from palaestra.benchmarks.trained_settings import record_trained_settings
+        return train_metrics
+
+    async def checkpoint(self, step: int) -> None:
+        """Save after ``step`` steps when one is due (every ``checkpoint.interval``, the last)."""
+        cfg = self.cfg
+        if step % cfg.checkpoint.interval == 0 or step == cfg.trainer.steps:
+            # async mode: the episodes in flight are saved whole (they go on after a
+            # crash from their last completed turn); sync mode has none in flight here
+            _save_rl(cfg, self.run, self.backend, self.manager, step, self.counts, self.critic,
+                     rollout=await self.manager.checkpoint_state())
+
+    def finish(self) -> None:
+        """The trained policy as a Hugging Face folder (tokenizer included): `palaestra eval
+        --model <out>/final-model`, SGLang or transformers load it as it is; with the settings
+        it was trained under."""
+        backend, root = self.backend, self.run.root
+        lora = getattr(backend, "lora", None)
+        if lora is not None:  # LoRA: the peft adapter folder
+            backend.export_adapter(root / "final-adapter")  # type: ignore[attr-defined]
+        if lora is None or lora.export_merged:
+            backend.export_hf(root / "final-model")  # LoRA: the adapter merged
+        if self.critic is not None:  # the value model beside it (*ForTokenClassification)
+            self.critic.export_hf(root / "final-critic")
+        from palaestra.trained_settings import record_trained_settings
 
         # `palaestra eval --model <out>/final-model` plays as the held-out evaluation did
-        record_trained_settings(run.root / "final-model", spec,
-                                sampling_params(cfg, cfg.eval.temperature),
+        final = root / ("final-model" if (root / "final-model").is_dir()
+                        else "final-adapter")  # LoRA with export_merged = false
+        cfg = self.cfg
+        record_trained_settings(final, self.spec, cfg.rollout.sampling(cfg.eval.temperature),
                                 env_id=cfg.env.id, env_kwargs=cfg.env.kwargs)
-    finally:
-        progress.close()
-        if server is not None:
-            await server.close()
+
+    async def close(self) -> None:
+        """Stop what `setup` and `start` started (in the reverse order of their need)."""
+        if self.progress is not None:
+            self.progress.close()
+        if self.admin is not None:
+            await self.admin.close()
+        if self.rewards is not None:
+            await self.rewards.close()
+        if self.server is not None:
+            await self.server.close()
+        if hasattr(self.backend, "close"):  # a trainer group: its actors and placement group
+            self.backend.close()
 
 
 def _update_skipped(metrics: dict[str, float]) -> bool:
@@ -356,9 +436,13 @@ def _failure_line(step: int, batch: Any, run: RunDir) -> str:
 
 
 def _save_rl(cfg: TrainConfig, run: RunDir, backend: Any, manager: Any, step: int,
-             counts: Counter[str]) -> None:
+             counts: Counter[str], critic: Any = None,
+             rollout: dict[str, Any] | None = None) -> None:
     directory = run.checkpoint_dir("rl", step)
-    backend.save(directory, extra={"rl_step": step, "rollout": manager.state_dict(),
+    if critic is not None:  # before the policy: the checkpoint is complete with both or none
+        critic.save(directory / "critic", extra={"rl_step": step})
+    rollout = manager.state_dict() if rollout is None else rollout
+    backend.save(directory, extra={"rl_step": step, "rollout": rollout,
                                    "counts": dict(counts)})
     run.mark_complete(directory)
     run.write_state({"phase": "rl", "step": step})
@@ -532,20 +616,32 @@ async def _train(cfg: TrainConfig, run: RunDir) -> dict[str, Any]:
     if not cfg.checkpoint.resume:
         run.write_state({})
     model_path = ensure_model(cfg)
-    spec = agent_spec(cfg, model_path)
+    spec = agent_spec(cfg.agent, model_path)
     try:
+        if cfg.algorithm == "rm":
+            from palaestra.trainers.reward_model import train_reward_model
+
+            with _phases("rm"):
+                await asyncio.to_thread(train_reward_model, cfg, run, model_path)
+            return {}
         if cfg.algorithm in ("sft", "dpo"):
             from palaestra.trainers.offline import run_offline
 
             with _phases(cfg.algorithm):
                 await asyncio.to_thread(run_offline, cfg, run, model_path, spec)
             return {}
-        engine = build_engine(cfg, model_path)
+        engine = build_engine(cfg.engine, model_path, max_model_len=cfg.agent.max_context,
+                              seed=cfg.seed, servers_dir=Path(cfg.out) / "servers")
         sync: EngineSync | None = None
         try:
-            if cfg.engine.kind == "sglang":
+            from palaestra.rollout.engines.sglang import SGLangEngine
+
+            if isinstance(engine, SGLangEngine):  # engine.kind = "sglang": attach / launch
                 await engine.start()
-            sync = EngineSync.from_config(cfg, engine, model_path)
+            sync = EngineSync.from_config(cfg.engine, engine, model_path, out=cfg.out)
+            # LoRA with SGLang servers: adapters over /load_lora_adapter when this process's
+            # engine makes the requests (Ray workers' clients get the merged weights)
+            sync.lora_servers = cfg.rollout.cluster == "local"
             if not run.has_eval("init"):
                 await evaluate_stage(cfg, run, engine, spec, "init")
             policy_path = model_path

@@ -8,9 +8,8 @@ depends only on the step, so a resumed run trains on the same batches as an unin
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,19 +18,16 @@ from palaestra.trainers.config import TrainConfig
 from palaestra.trainers.run_dir import RunDir
 from palaestra.types import Sample
 
+if TYPE_CHECKING:
+    from palaestra.agents.spec import AgentSpec
+
 
 def _load_jsonl(path: str) -> list[dict[str, Any]]:
-    p = Path(path)
-    if not p.is_file():
+    from palaestra.jsonl import read_jsonl
+
+    if not Path(path).is_file():
         raise ConfigError(f"dataset {path!r} does not exist")
-    rows = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}:{n}: not valid JSON ({exc.msg})") from None
-    return rows
+    return read_jsonl(path)
 
 
 def _call_entry_point(target: str, n: int, seed: int, env_kwargs: dict[str, Any],
@@ -44,7 +40,7 @@ def _call_entry_point(target: str, n: int, seed: int, env_kwargs: dict[str, Any]
     return list(fn(n, seed=seed, env_kwargs=env_kwargs, **kwargs))
 
 
-def demonstration_samples(cfg: TrainConfig, spec: Any) -> list[Sample]:
+def demonstration_samples(cfg: TrainConfig, spec: AgentSpec) -> list[Sample]:
     """The warm-start transcripts of ``cfg.warmup`` as samples (tools from the env's schema)."""
     source = str(cfg.warmup.demonstrations)
     if ":" in source and not Path(source).exists():
@@ -58,17 +54,14 @@ def demonstration_samples(cfg: TrainConfig, spec: Any) -> list[Sample]:
 
 
 def _env_tools(cfg: TrainConfig) -> list[dict[str, Any]]:
-    import palaestra.envs as envs
+    from palaestra.rollout.env_schemas import env_tool_schemas  # trainers never import envs
 
-    env = envs.make(cfg.env.id, **cfg.env.kwargs)
-    try:
-        return env.tool_schemas()
-    finally:
-        env.close()
+    return env_tool_schemas(cfg.env.id, cfg.env.kwargs)
 
 
 def transcripts_to_samples(
-    rows: list[dict[str, Any]], spec: Any, default_tools: list[dict[str, Any]] | None = None
+    rows: list[dict[str, Any]], spec: AgentSpec,
+    default_tools: list[dict[str, Any]] | None = None,
 ) -> list[Sample]:
     """``{"messages": [...], "tools": [...]}`` rows -> samples (assistant turns trained)."""
     from palaestra.agents.demonstrations import demonstration_to_sample
@@ -99,10 +92,12 @@ def offline_backend(cfg: TrainConfig, model_path: Path, torch_cfg: Any) -> Any:
     """The backend of an offline run (``algorithm = "sft"/"dpo"``): Megatron-core when
     ``trainer.backend = "megatron"`` (its own ``trainer.megatron`` settings, the phase's logits
     temperature, a reference policy for DPO), else PyTorch with ``torch_cfg``."""
-    from palaestra.trainers.loop import megatron_backend
+    from palaestra.trainers.builders import megatron_backend
 
     if cfg.trainer.backend == "megatron" and cfg.algorithm != "rl":
-        return megatron_backend(cfg, model_path, logits_temperature=torch_cfg.logits_temperature,
+        return megatron_backend(cfg.trainer.megatron, model_path, seed=cfg.seed,
+                                steps=cfg.trainer.steps,
+                                logits_temperature=torch_cfg.logits_temperature,
                                 ref_model=cfg.algorithm == "dpo")
     from palaestra.trainers.torch_backend import TorchBackend
 
@@ -124,16 +119,19 @@ def sft_steps(
     """SFT over ``samples`` for ``steps`` steps with checkpoints; resumes a killed phase."""
     from palaestra.trainers.algorithms import LossConfig
     from palaestra.trainers.batching import TrainBatch
-    from palaestra.trainers.loop import backend_config
+    from palaestra.trainers.builders import backend_config
 
     if not samples:
         raise ConfigError("no SFT examples: the demonstrations/dataset are empty")
     schedule = cfg.warmup.lr_schedule if phase == "sft" and cfg.algorithm == "rl" else None
     update: dict[str, Any] = {"logits_temperature": 1.0}
+    if phase == "sft" and cfg.algorithm == "rl" and not cfg.warmup.lora:
+        update["lora"] = None  # the warm start trains the full model; RL trains the adapter
     if schedule is not None:
         update.update(lr_schedule=schedule, total_steps=steps, min_lr_ratio=0.1,
                       warmup_steps=min(cfg.warmup.lr_warmup_steps, steps))
-    torch_cfg = backend_config(cfg, lr=lr, steps=steps).model_copy(update=update)
+    torch_cfg = backend_config(cfg.trainer.torch, temperature=cfg.rollout.temperature,
+                               seed=cfg.seed, lr=lr, steps=steps).model_copy(update=update)
     # the RL warm start always runs on the PyTorch backend; `algorithm = "sft"` follows
     # trainer.backend
     backend = offline_backend(cfg, model_path, torch_cfg)
@@ -175,11 +173,11 @@ def _bar(cfg: TrainConfig, total: int, start: int, phase: str) -> Any:
     return tqdm(total=total, initial=start, desc=phase, unit="step", dynamic_ncols=True)
 
 
-def dpo_steps(cfg: TrainConfig, run: RunDir, model_path: Path, spec: Any) -> Any:
+def dpo_steps(cfg: TrainConfig, run: RunDir, model_path: Path, spec: AgentSpec) -> Any:
     """DPO on ``{"prompt", "chosen", "rejected"}`` rows; reference = frozen initial policy."""
     from palaestra.trainers.algorithms import LossConfig
     from palaestra.trainers.batching import TrainBatch
-    from palaestra.trainers.loop import backend_config
+    from palaestra.trainers.builders import backend_config
 
     rows = _load_jsonl(str(cfg.offline.dataset))
     chosen, rejected = [], []
@@ -191,7 +189,8 @@ def dpo_steps(cfg: TrainConfig, run: RunDir, model_path: Path, spec: Any) -> Any
         chosen += transcripts_to_samples([{"messages": row["prompt"] + row["chosen"], "tools": tools}], spec)
         rejected += transcripts_to_samples([{"messages": row["prompt"] + row["rejected"], "tools": tools}], spec)
     steps = cfg.trainer.steps
-    torch_cfg = backend_config(cfg, steps=steps).model_copy(
+    torch_cfg = backend_config(cfg.trainer.torch, temperature=cfg.rollout.temperature,
+                               seed=cfg.seed, steps=steps).model_copy(
         update={"logits_temperature": 1.0, "ref_model": True})
     backend = offline_backend(cfg, model_path, torch_cfg)
     loss_cfg = cfg.trainer.loss if cfg.trainer.loss.objective == "dpo" else LossConfig(preset="dpo")
@@ -215,7 +214,7 @@ def dpo_steps(cfg: TrainConfig, run: RunDir, model_path: Path, spec: Any) -> Any
     return backend
 
 
-def run_offline(cfg: TrainConfig, run: RunDir, model_path: Path, spec: Any) -> None:
+def run_offline(cfg: TrainConfig, run: RunDir, model_path: Path, spec: AgentSpec) -> None:
     """``algorithm = "sft"`` or ``"dpo"`` on ``offline.dataset``; exports ``final-model``."""
     if cfg.algorithm == "dpo":
         dpo_steps(cfg, run, model_path, spec)

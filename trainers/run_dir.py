@@ -81,17 +81,11 @@ class RunDir:
         return n
 
     def read_jsonl(self, name: str) -> list[dict[str, Any]]:
+        from palaestra.jsonl import read_jsonl
+
         path = self.root / name
-        if not path.exists():
-            return []
-        rows = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break  # a line cut by a crash: ignore it and what follows
-        return rows
+        # a line cut by a crash: ignore it and what follows
+        return read_jsonl(path, bad="stop") if path.exists() else []
 
     def truncate_metrics_after(self, phase: str, step: int) -> None:
         """Drop metric and failure lines a crashed run wrote after its last checkpoint (they
@@ -156,8 +150,12 @@ class RunDir:
 FREE_SETTINGS = (
     "out", "trainer.steps", "checkpoint.", "logging.", "engine.", "benchmark_eval.",
     "rollout.cluster", "rollout.ray_address", "rollout.num_workers", "rollout.max_concurrency",
-    "rollout.max_failure_rate", "agent.drift_rate", "agent.strict_drift", "eval.interval",
+    "rollout.worker_num_cpus", "rollout.pass_threshold", "rollout.max_failure_rate",
+    "agent.drift_rate", "agent.strict_drift", "eval.interval",
     "trainer.torch.device", "trainer.torch.max_tokens_per_micro_batch",
+    # where the ranks run: data-parallel ranks give the one-rank steps (to 1e-5), so a run that
+    # lost a node resumes on fewer
+    "placement", "placement.",
 )
 
 
@@ -315,9 +313,36 @@ def _plot_tool_calls(ax: Any, rows: list[dict[str, Any]], evals: list[dict[str, 
         ax.legend(loc="best", fontsize=8)
 
 
+#: (metrics key, label) of the critic panels of a PPO run (value fit, then losses)
+_CRITIC_CURVES = (
+    (("train/ppo/explained_variance", "explained variance"),
+     ("train/ppo/value_mean", "mean value"), ("train/ppo/return_mean", "mean return")),
+    (("train/critic/value_loss", "value loss"),
+     ("train/critic/value_clip_frac", "value clip fraction"),
+     ("train/ppo/advantage_std", "advantage std (raw GAE)")),
+)
+
+
+def _plot_critic(axes: Any, rows: list[dict[str, Any]]) -> None:
+    """PPO's critic: how well the values fit the returns, and its loss."""
+    rl = [r for r in rows if r.get("phase") == "rl"]
+    for ax, curves, title in zip(axes, _CRITIC_CURVES, ("critic: values vs returns",
+                                                        "critic: value loss")):
+        for key, label in curves:
+            pts = [(r.get("global_step", r["step"]), r[key]) for r in rl
+                   if r.get(key) is not None]
+            if pts:
+                ax.plot(*zip(*pts), label=label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=8)
+
+
 def plot_curves(run: RunDir) -> Path | None:
     """``curves.png``: reward, response length and loss per step, eval success per stage, tool
-    calls per episode."""
+    calls per episode; with a critic (PPO) also explained variance, mean value vs mean return,
+    value loss and clip fraction."""
     rows = run.read_jsonl("metrics.jsonl")
     if not rows:
         return None
@@ -330,7 +355,8 @@ def plot_curves(run: RunDir) -> Path | None:
     import matplotlib.pyplot as plt
 
     evals = run.read_jsonl("eval.jsonl")
-    fig, axes = plt.subplots(1, 5, figsize=(22, 3.8))
+    critic = any(r.get("train/ppo/explained_variance") is not None for r in rows)
+    fig, axes = plt.subplots(1, 7 if critic else 5, figsize=(31 if critic else 22, 3.8))
     for phase, colour in (("sft", "tab:gray"), ("rl", "tab:blue"), ("dpo", "tab:purple")):
         pts = [r for r in rows if r.get("phase") == phase]
         if not pts:
@@ -352,6 +378,8 @@ def plot_curves(run: RunDir) -> Path | None:
         axes[3].set_title("held-out success rate")
         axes[3].tick_params(axis="x", rotation=45)
     _plot_tool_calls(axes[4], rows, evals)
+    if critic:
+        _plot_critic(axes[5:], rows)
     fig.tight_layout()
     out = run.root / "curves.png"
     fig.savefig(out, dpi=90)

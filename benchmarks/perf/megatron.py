@@ -101,7 +101,7 @@ def logprob_diff(backend: Any, hf_bf16: Any, ids: Any) -> dict[str, float]:
 
     from palaestra.trainers.batching import TrainBatch
 
-    batch = TrainBatch(token_ids=[ids], loss_mask=[torch.zeros(ids.shape[0])])
+    batch = TrainBatch(token_ids=(ids,), loss_mask=(torch.zeros(ids.shape[0]),))
     ours = backend.forward_logprobs(batch)[0][1:]
     with torch.no_grad():
         logits = hf_bf16(ids[None].cuda()).logits[0, :-1].float()
@@ -132,7 +132,7 @@ def bench_model(name: str, args: argparse.Namespace, peak: float) -> dict[str, A
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, arch.vocab_size, (args.seq,), generator=g) for _ in range(args.seqs)]
     masks = [torch.cat([torch.zeros(1), torch.ones(args.seq - 1)]) for _ in seqs]
-    batch = TrainBatch(token_ids=seqs, loss_mask=masks)
+    batch = TrainBatch(token_ids=tuple(seqs), loss_mask=tuple(masks))
     tokens = args.seqs * args.seq
     flops_tok = train_flops_per_token(arch, args.seq)
     row: dict[str, Any] = {"model": f"qwen3-{name}", "params": param_count(arch).total,

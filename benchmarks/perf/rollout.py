@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import functools
 import json
 import os
@@ -61,7 +60,7 @@ async def _run(name: str, pool: Any, worker_config: Any, episodes: int, concurre
     data = DataSource(_rows(10_000), seed=0, epochs=None)
     async with RolloutManager(data, worker_config, cfg, pool=pool) as manager:
         await pool.prewarm("palaestra/Calculator-v0", concurrency)  # steady state: pools full
-        manager.config = dataclasses.replace(cfg, batch_size=max(1, min(groups, 64)))
+        manager.config = cfg.model_copy(update={"batch_size": max(1, min(groups, 64))})
         await manager.generate_batch(-1)  # warm-up: imports, tokenizer, env pools
         manager.config = cfg
         before = await manager.worker_stats()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -100,7 +101,7 @@ async def bench(quick: bool) -> dict[str, Any]:
     cold = ColdBaseline()
     results: list[dict[str, Any]] = []
     load_before = os.getloadavg()
-    async with Sandbox(max_concurrency=64) as sb:
+    async with Sandbox(max_concurrency=64) as sb:  # type: ignore[abstract]  # __new__ picks the backend
         for _ in range(20):  # warm-up
             await sb.run("pass")
 
@@ -112,7 +113,7 @@ async def bench(quick: bool) -> dict[str, Any]:
             for conc in CONCURRENCY:
                 n_max, budget = _plan(program, conc, quick)
                 for mode, fn in (("warm", warm), ("cold", cold.run)):
-                    stats = await _drive(lambda fn=fn, code=code: fn(code), conc, n_max, budget)
+                    stats = await _drive(functools.partial(fn, code), conc, n_max, budget)
                     stats.update(mode=mode, program=program, concurrency=conc,
                                  load1=os.getloadavg()[0])
                     results.append(stats)
@@ -130,7 +131,7 @@ async def bench(quick: bool) -> dict[str, Any]:
 
 
 def table(report: dict[str, Any]) -> str:
-    rows = {}
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
     for r in report["results"]:
         rows.setdefault((r["program"], r["concurrency"]), {})[r["mode"]] = r
     head = (f"{'program':9s} {'conc':>4s} | {'warm/s':>8s} {'p50 ms':>8s} {'p99 ms':>8s} | "

@@ -69,7 +69,8 @@ def _probe(url: str, out: str, stop: str, interval_s: float) -> int:
     from urllib.parse import urlparse
 
     u = urlparse(url)
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    host = u.hostname or "127.0.0.1"  # the server's URL always names its host
+    conn = http.client.HTTPConnection(host, u.port, timeout=10)
     lat: list[float] = []
     when: list[float] = []
     failures = 0
@@ -85,7 +86,7 @@ def _probe(url: str, out: str, stop: str, interval_s: float) -> int:
         except OSError:
             failures += 1
             conn.close()
-            conn = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+            conn = http.client.HTTPConnection(host, u.port, timeout=10)
         lat.append(time.perf_counter() - t)
         time.sleep(interval_s)
     Path(out).write_text(json.dumps({"latency_s": lat, "at": when, "failures": failures}))
@@ -183,7 +184,7 @@ async def _send(session: Any, url: str, case: Case, delay_s: float = 0.0) -> Non
         elif any('"error"' in e for e in events):
             case.problem = "stream carried an error event"
         return
-    out = json.loads(text) if text else None
+    out: Any = json.loads(text) if text else None
     if case.expect >= 400:
         shape_ok = (set(out) == {"error"} and {"message", "type", "param", "code"} <=
                     set(out["error"])) if case.path.startswith("/v1/") else (
@@ -311,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--probe", nargs=3, metavar=("URL", "OUT", "STOP"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.probe:
-        return _probe(*args.probe, interval_s=0.02)
+        url, out, stop = args.probe
+        return _probe(url, out, stop, interval_s=0.02)
 
     from palaestra.rollout.engines.serve import serve_process
 

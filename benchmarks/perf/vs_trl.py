@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REWARD_SRC = '''
 def digit_share(text):
@@ -168,7 +169,7 @@ progress = false
 tensorboard = false
 ''')
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    results = {}
+    results: dict[str, Any] = {}
     for name, cmd in (
         ("palaestra", [sys.executable, "-c", PALAESTRA_SIDE, str(work), str(config)]),
         ("trl", [args.trl_python, "-c", TRL_SIDE, str(model_dir), str(work / "trl-run"),

@@ -13,6 +13,7 @@ from palaestra.asyncio_utils import run_sync
 from palaestra.envs.base import StepResult
 from palaestra.envs.code.grader import GradeResult, grade
 from palaestra.envs.code.tasks import CodeTask, code_task
+from palaestra.envs.python_tool import SandboxChoice
 from palaestra.envs.python_tool import python_tool as make_python_tool
 from palaestra.envs.rewards import last_code_block
 from palaestra.envs.shipped import load_rows
@@ -72,7 +73,7 @@ class CodeEnv(ToolEnv):
         mbpp_split: str | None = "test",
         shown_tests: int = 1,
         python_tool: bool = False,
-        sandbox: Any = None,
+        sandbox: SandboxChoice = None,
         test_timeout_s: float = 10.0,
         code_timeout_s: float = 10.0,
         max_turns: int | None = None,
@@ -84,7 +85,7 @@ class CodeEnv(ToolEnv):
         tools = [make_python_tool(self, timeout_s=code_timeout_s)] if python_tool else []
         turns = max_turns if max_turns is not None else (6 if python_tool else 1)
         super().__init__(tools=tools, max_turns=turns, dataset=rows, **kwargs)
-        self.dataset_source = dataset if rows is None else "(rows)"
+        self.dataset_source: str | Path = dataset if isinstance(dataset, (str, Path)) else "(rows)"
         if mbpp_split is not None and mbpp_split not in MBPP_SPLITS:
             from palaestra.errors import ConfigError
 

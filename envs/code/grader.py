@@ -1,9 +1,11 @@
 """Run hidden tests against a solution in the sandbox and read the verdict safely.
 
 The harness program (``harness.py`` next to this file) runs in a fresh sandbox run, separate
-from any run the agent made; the tests and a one-time nonce go to it on stdin. The verdict counts
-only if the run exited 0 without timing out and its stdout holds the result line with this
-run's nonce, so output the solution prints (or fakes) cannot set the reward.
+from any run the agent made, in a working directory of its own even when the agent's sandbox is
+stateful (``palaestra.sandbox.integrity.judge_run``: nothing the agent left there, such as an
+``ast.py`` the judge would import, reaches it); the tests and a one-time nonce go to it on stdin.
+The verdict counts only if the run exited 0 without timing out and its stdout holds the result
+line with this run's nonce, so output the solution prints (or fakes) cannot set the reward.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Any
 
 from palaestra.envs.code.tasks import CodeTask
 from palaestra.envs.python_tool import run_python_program
+from palaestra.sandbox.base import Sandbox, SandboxSession
+from palaestra.sandbox.integrity import judge_run
 
 RESULT_MARKER = "@@palaestra-result"
 HARNESS_SOURCE_PATH = Path(__file__).with_name("harness.py")
@@ -70,13 +74,14 @@ async def grade(code: str, task: CodeTask, *, sandbox: Any = None, timeout_s: fl
     """Run ``task``'s hidden tests on ``code`` in the sandbox."""
     nonce = secrets.token_hex(16)
     spec = dict(task.spec, nonce=nonce, budget_s=timeout_s, n_tests=task.n_tests)
-    result = await run_python_program(
-        sandbox,
-        harness_program(),
-        timeout_s=timeout_s + 5.0,  # the harness stops itself at timeout_s
-        stdin=json.dumps(spec),
-        files={"solution.py": task.program(code).encode("utf-8")},
-    )
+    program, stdin = harness_program(), json.dumps(spec)
+    files = {"solution.py": task.program(code).encode("utf-8")}
+    budget = timeout_s + 5.0  # the harness stops itself at timeout_s
+    if isinstance(sandbox, (Sandbox, SandboxSession)):  # maybe the agent's own, stateful one
+        result = await judge_run(sandbox, program, timeout=budget, stdin=stdin, files=files)
+    else:  # None, a class or a factory: a sandbox of its own for this run
+        result = await run_python_program(sandbox, program, timeout_s=budget, stdin=stdin,
+                                          files=files)
     if getattr(result, "error", None):
         return GradeResult(0, task.n_tests, error=f"sandbox error: {result.error}")
     if result.timed_out:

@@ -13,7 +13,7 @@ import argparse
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from palaestra.envs.code.env import CodeEnv
@@ -21,7 +21,7 @@ from palaestra.envs.code.grader import grade
 from palaestra.envs.code.tasks import code_task
 
 
-def reference_solution(row: dict[str, Any]) -> str:
+def reference_solution(row: Mapping[str, Any]) -> str:
     if "canonical_solution" in row:
         return str(row["prompt"]) + str(row["canonical_solution"])
     return str(row["code"])

@@ -11,7 +11,33 @@ Light to import: the SDKs (``mcp``, ``verifiers``, ``openenv-core``) load when a
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr__` loads them
+    from palaestra.envs.ecosystem.mcp_client import (
+        CallOutcome as CallOutcome,
+    )
+    from palaestra.envs.ecosystem.mcp_client import (
+        MCPConnection as MCPConnection,
+    )
+    from palaestra.envs.ecosystem.mcp_env import (
+        MCPEnv as MCPEnv,
+    )
+    from palaestra.envs.ecosystem.mcp_env import (
+        MCPEpisode as MCPEpisode,
+    )
+    from palaestra.envs.ecosystem.notes import (
+        NotesEnv as NotesEnv,
+    )
+    from palaestra.envs.ecosystem.openenv_env import (
+        OpenEnvEnv as OpenEnvEnv,
+    )
+    from palaestra.envs.ecosystem.server_process import (
+        ServerLimits as ServerLimits,
+    )
+    from palaestra.envs.ecosystem.verifiers_env import (
+        VerifiersEnv as VerifiersEnv,
+    )
 
 _LAZY = {
     "MCPEnv": "palaestra.envs.ecosystem.mcp_env",
@@ -37,7 +63,7 @@ def __getattr__(name: str) -> Any:
 #: leave them out; ``make("palaestra.envs.ecosystem:ecosystem/OpenEnv-v0", url=...)``.
 ECOSYSTEM_ENVS: dict[str, str] = {
     "ecosystem/OpenEnv-v0": "palaestra.envs.ecosystem.openenv_env:OpenEnvEnv",
-    "ecosystem/Verifiers-v0": "palaestra.envs.ecosystem.verifiers_env:VerifiersEnv",
+    "ecosystem/Verifiers-v0": "palaestra.envs.ecosystem.verifiers_env:verifiers_env",
 }
 
 

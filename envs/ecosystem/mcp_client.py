@@ -298,8 +298,9 @@ def _http_client(url: str, headers: Mapping[str, str]) -> Any:
     from mcp.client import streamable_http
 
     client = getattr(streamable_http, "streamable_http_client", None)
-    if client is None:  # mcp 1.x spelling
-        return streamable_http.streamablehttp_client(url, headers=dict(headers) or None)
+    if client is None:  # mcp 1.x spelling (absent from the 2.x this type-checks against)
+        legacy = getattr(streamable_http, "streamablehttp_client")
+        return legacy(url, headers=dict(headers) or None)
     if headers:
         import httpx2
 

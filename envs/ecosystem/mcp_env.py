@@ -221,11 +221,10 @@ class MCPEnv(ToolEnv):
             if outcome.failure is not None:
                 return self._failed(messages, outcome, len(messages), errors)
         self.consecutive_errors = self.consecutive_errors + 1 if errors else 0
-        info: dict[str, Any] = {"tool_calls": len(messages), "tool_errors": errors}
+        result = StepResult(observation=messages, tool_calls=len(messages), tool_errors=errors)
         if self.consecutive_errors >= self.max_consecutive_errors:
-            return StepResult(observation=messages, terminated=True, info=info,
-                              stop_reason=StopReason.PARSE_ERROR)
-        return StepResult(observation=messages, info=info)
+            result.terminated, result.stop_reason = True, StopReason.PARSE_ERROR
+        return result
 
     async def _model_call(self, call: ToolCall) -> CallOutcome:
         if call.parse_error:
@@ -248,9 +247,9 @@ class MCPEnv(ToolEnv):
                 errors: int) -> StepResult:
         self.episode_failure = outcome.text
         stop = StopReason.TIMEOUT if outcome.failure == "timeout" else StopReason.ERROR
-        info = {"tool_calls": calls, "tool_errors": errors, "error": outcome.text,
-                "mcp_failure": outcome.failure}
-        return StepResult(observation=messages, terminated=True, info=info, stop_reason=stop)
+        info = {"error": outcome.text, "mcp_failure": outcome.failure}
+        return StepResult(observation=messages, terminated=True, info=info, stop_reason=stop,
+                          tool_calls=calls, tool_errors=errors)
 
     async def _areward(self, action: Message) -> float:
         assert self.task is not None

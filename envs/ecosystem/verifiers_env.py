@@ -1,6 +1,7 @@
 """`VerifiersEnv` (``ecosystem/Verifiers-v0``): a verifiers taskset as a palaestra env.
 
     env = VerifiersEnv(taskset=my_taskset)                      # a `verifiers.v1.Taskset`
+    env = make("verifiers:my-taskset")                           # the same, by id
     env = make("palaestra.envs.ecosystem:ecosystem/Verifiers-v0", taskset_id="my-taskset")
 
 Written against verifiers' v1 stack (``pip install 'palaestra[verifiers]'``, verifiers 0.4):
@@ -26,6 +27,22 @@ from palaestra.asyncio_utils import run_sync
 from palaestra.envs.base import Env, StepResult
 from palaestra.errors import ConfigError, MissingExtraError
 from palaestra.types import Message
+
+
+def register_verifiers_id(taskset_id: str) -> str:
+    """Register ``verifiers/<taskset id>`` (a `VerifiersEnv` of that installed taskset) and
+    return it: ``make("verifiers:<taskset id>")`` goes through here."""
+    import re
+
+    from palaestra.envs.registry import register
+
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", taskset_id or ""):
+        raise ConfigError(f"'verifiers:{taskset_id}' is not a verifiers environment id; write "
+                          "make('verifiers:<taskset id>'), e.g. 'verifiers:my-taskset' (the "
+                          "installed package's name)")
+    env_id = "verifiers/" + taskset_id.replace("/", ".")
+    register(env_id, "palaestra.envs.ecosystem.verifiers_env:verifiers_env", taskset_id=taskset_id)
+    return env_id
 
 
 def _vf() -> Any:
@@ -139,3 +156,143 @@ class VerifiersEnv(Env):
         return Trace(task=TraceTask(type=type(vf_task).__name__, data=vf_task.data,
                                     key=vf_task.key),
                      agent=AgentInfo(config=vf.AgentConfig()), nodes=nodes)
+
+
+_LAUNCH = ("import importlib, sys; m, _, c = sys.argv[1].partition(':'); "
+           "getattr(importlib.import_module(m), c).run()")
+
+
+def _tools_env_class() -> type:
+    """`VerifiersToolsEnv`, built on first use (it subclasses `MCPEnv`, which needs ``mcp``)."""
+    from palaestra.envs.ecosystem.mcp_env import MCPEnv
+
+    class VerifiersToolsEnv(MCPEnv):
+        """A verifiers taskset whose tasks have a `Toolset`: its tools over MCP, multi-turn."""
+
+        snapshot_exclude: ClassVar[tuple[str, ...]] = (
+            *MCPEnv.snapshot_exclude, "_dataset", "taskset", "_tasks", "_vf", "_process")
+
+        def __init__(self, vf_env: VerifiersEnv, toolset: Any, **kwargs: Any) -> None:
+            self._vf = vf_env
+            self._toolset = toolset
+            self._process: Any = None
+            self._url = ""
+            self.taskset = vf_env.taskset
+            self._tasks = vf_env._tasks
+            super().__init__(url="http://127.0.0.1:0/mcp", tasks=vf_env.dataset, **kwargs)
+            self.source = vf_env.source
+
+        def _cache_key(self) -> tuple[Any, ...]:
+            cls = type(self._toolset)
+            return ("verifiers-toolset", f"{cls.__module__}:{cls.__qualname__}")
+
+        async def _aconnection(self) -> Any:
+            if self._connection is None:  # a fresh toolset server per episode
+                self._stop_process()
+                self._process, self._url = await _start_toolset(self._toolset,
+                                                                self.startup_timeout_s)
+            return await super()._aconnection()
+
+        def _new_connection(self) -> Any:
+            from palaestra.envs.ecosystem.mcp_client import MCPConnection
+
+            return MCPConnection(url=self._url, startup_timeout_s=self.startup_timeout_s)
+
+        def fork(self) -> Any:
+            clone = super().fork()
+            clone._process = None  # the copy starts its own server; the original keeps its own
+            return clone
+
+        def _stop_process(self) -> None:
+            process, self._process = self._process, None
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(timeout=10)
+
+        async def _aend_episode(self) -> None:
+            await super()._aend_episode()
+            self._stop_process()
+
+        def initial_messages(self, task: Mapping[str, Any]) -> list[Message]:
+            return self._vf.initial_messages(task)
+
+        async def _areward(self, action: Message) -> float:
+            assert self.task is not None
+            vf_task = self._vf._task_for(self.task)
+            trace = VerifiersEnv._trace(vf_task, self.history)
+            await vf_task.score(trace, None)
+            return float(trace.reward)
+
+        def close(self) -> None:
+            super().close()
+            self._stop_process()
+
+    return VerifiersToolsEnv
+
+
+async def _start_toolset(toolset: Any, timeout_s: float) -> tuple[Any, str]:
+    """Start a verifiers `Toolset`'s own MCP server (``Toolset.run``: streamable HTTP on a free
+    loopback port, reported in ``MCP_PORT_FILE``) in a subprocess; its process and URL.
+
+    Started from the event loop's own thread, never a worker thread: the server asks to be
+    killed when the thread that started it exits (``PR_SET_PDEATHSIG``)."""
+    import asyncio
+    import os
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from palaestra.errors import ToolError
+
+    cls = type(toolset)
+    ref = f"{cls.__module__}:{cls.__qualname__}"
+    with tempfile.TemporaryDirectory(prefix="palaestra-vf-") as tmp, \
+            tempfile.TemporaryFile() as log:
+        port_file = Path(tmp) / "port"
+        env = {**os.environ, "VF_CONFIG": toolset.config.model_dump_json(),
+               "MCP_PORT_FILE": str(port_file), "PYTHONPATH": os.pathsep.join(sys.path)}
+        process = subprocess.Popen([sys.executable, "-c", _LAUNCH, ref], env=env,  # noqa: ASYNC220 - here, not in asyncio's loop-bound transport: the server outlives this loop
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=log, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        port = 0
+        while True:  # the port is reported when bound, before the server listens
+            if not port and port_file.exists() and port_file.read_text().strip():
+                port = int(port_file.read_text())
+            if port:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                    return process, f"http://127.0.0.1:{port}/mcp"
+                except OSError:
+                    pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                if process.poll() is None:
+                    process.kill()
+                process.wait(timeout=10)
+                log.seek(0)
+                tail = log.read().decode(errors="replace").strip()[-1500:]
+                raise ToolError(f"the verifiers toolset {ref} did not start its MCP server "
+                                f"within {timeout_s:g}s (exit code {process.returncode}): "
+                                f"{tail or 'no output'}")
+            await asyncio.sleep(0.05)
+
+
+def verifiers_env(**kwargs: Any) -> Env:
+    """The entry point: a `VerifiersEnv`, or, when the taskset's tasks declare a `Toolset`
+    (``Task.toolsets``), a multi-turn env whose tools are that toolset's, served over MCP."""
+    own = {k: kwargs.pop(k) for k in ("taskset", "taskset_id", "taskset_args", "limit")
+           if k in kwargs}
+    vf_env = VerifiersEnv(**own)
+    task = vf_env._tasks[0]
+    toolsets = list(type(task).toolsets(task.config)) + list(vf_env.taskset.toolsets(vf_env.taskset.config))
+    if not toolsets:
+        if kwargs:
+            vf_env = VerifiersEnv(**own, **kwargs)
+        return vf_env
+    if len(toolsets) > 1:
+        raise ConfigError(f"{vf_env.source}: {len(toolsets)} toolsets; palaestra serves one "
+                          "toolset per verifiers task (merge their tools into one Toolset)")
+    return _tools_env_class()(vf_env, toolsets[0], **kwargs)  # type: ignore[no-any-return]

@@ -173,6 +173,10 @@ class BM25Retriever(Retriever):
         ]
 
 
+# Process-wide on purpose: an index is read-only once built and keyed by the corpus' resolved
+# path, so every env of every run in the process that searches one corpus shares one copy (an
+# index is hundreds of MB); nothing a run does changes it. A corpus file rewritten while the
+# process lives is not re-read (restart the process, or pass another path).
 _SHARED: dict[str, BM25Retriever] = {}
 _SHARED_LOCK = threading.Lock()
 

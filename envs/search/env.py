@@ -230,10 +230,10 @@ class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
         if hits is not None:
             self.searches += 1
             # "tool_calls" as ToolEnv reports it: the rollout metrics count searches per episode
-            info = {"search_query": parsed[1] if parsed else "", "searches": self.searches,
-                    "tool_calls": 1}
+            info = {"search_query": parsed[1] if parsed else "", "searches": self.searches}
             content = f"<information>{format_hits(hits)}</information>"
-            return StepResult(observation=[Message(role="user", content=content)], info=info)
+            return StepResult(observation=[Message(role="user", content=content)], info=info,
+                              tool_calls=1)
         if last_turn:  # a search (or nothing) on the last turn: out of turns, no answer
             return self._finish(None, terminated=False)
         self.invalid_actions += 1

@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     args = parser.parse_args(argv)
     rows = load_rows("multihop", {"multihop": "search/multihop.jsonl.gz"})
-    by_source: dict[str, list[Mapping[str, Any]]] = {"all": rows}
+    by_source: dict[str, list[Mapping[str, Any]]] = {"all": [*rows]}
     for row in rows:
         by_source.setdefault(str(row.get("data_source")), []).append(row)
     retriever = make_retriever(args.retriever)

@@ -52,7 +52,7 @@ def check_request(body: Any, default_topk: int) -> tuple[list[str], int, bool, l
     extra = sorted(str(k) for k in body if k not in REQUEST_FIELDS)
     if extra:
         problems.append(f"unknown field(s) {extra}; the fields are {list(REQUEST_FIELDS)}")
-    queries = body.get("queries")
+    queries: Any = body.get("queries")  # a list of strings once no problem is found
     if "queries" not in body:
         problems.append("'queries' is required: a list of strings")
     elif not isinstance(queries, list):

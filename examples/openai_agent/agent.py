@@ -1,12 +1,12 @@
 """A shopping agent written with the plain ``openai`` client and two tools: ``lookup`` (a price
 list) and ``calculator``. Nothing in it knows about palaestra: it is trained and evaluated through
-`palaestra.envs.agent_env.AgentEnv` and the agent gateway, which give it an ``OPENAI_BASE_URL``.
+`palaestra.envs.external_agent.ExternalAgentEnv` and the agent gateway, which give it an ``OPENAI_BASE_URL``.
 
 Question: "How much do 7 pears cost?"  The agent loops: ask the model (with the two tools), run
 the tool calls it makes, send the results back, until the model answers without a call.
 Reward: 1.0 when the answer's ``<answer>N</answer>`` is the right total, else 0.0.
 
-    # as a command (what AgentEnv(command=["python", "agent.py"]) runs in the sandbox):
+    # as a command (what ExternalAgentEnv(command=["python", "agent.py"]) runs in the sandbox):
     OPENAI_BASE_URL=http://127.0.0.1:8900/sessions/s1/v1 OPENAI_API_KEY=x \\
         PALAESTRA_TASK='{"question": "How much do 7 pears cost?", "answer": "35"}' \\
         python examples/openai_agent/agent.py

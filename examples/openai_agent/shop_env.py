@@ -4,7 +4,7 @@ Importing this module (``--import shop_env`` for ``palaestra eval``; the env id
 ``shop_env:examples/OpenAIShopAgent-v0`` makes ``palaestra train`` and the rollout workers import
 it) registers
 
-- the env ``examples/OpenAIShopAgent-v0``: `AgentEnv` around ``agent.solve`` (the plain ``openai``
+- the env ``examples/OpenAIShopAgent-v0``: `ExternalAgentEnv` around ``agent.solve`` (the plain ``openai``
   client loop), scored by ``agent.reward``, tasks from ``agent.make_task``;
 - the benchmark ``openai-agent-shop``: 200 questions drawn from seeds the training data never uses;
 - ``demonstrations(n, seed=..., env_kwargs=..., p_wrong=...)``: transcripts of the ideal tool use
@@ -27,7 +27,7 @@ from palaestra.envs import register
 ENV_ID = "examples/OpenAIShopAgent-v0"
 EVAL_SEED = 10**7  # benchmark questions come from seeds >= this; training draws stay below 2**31
 
-register(ENV_ID, "palaestra.envs.agent_env:AgentEnv", agent="agent:solve",
+register(ENV_ID, "palaestra.envs.external_agent:ExternalAgentEnv", agent="agent:solve",
          reward_fn="agent:reward", task_fn="agent:make_task", tools=shop.TOOLS, max_calls=4,
          timeout_s=300)
 

@@ -13,7 +13,7 @@ Importing this package is light: the engines load torch, transformers or aiohttp
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palaestra.rollout.engines.base import (
     Engine,
@@ -21,6 +21,35 @@ from palaestra.rollout.engines.base import (
     Generation,
     SamplingParams,
 )
+
+if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr__` loads them
+    from palaestra.rollout.engines.local import (
+        LocalEngine as LocalEngine,
+    )
+    from palaestra.rollout.engines.local import (
+        StreamChunk as StreamChunk,
+    )
+    from palaestra.rollout.engines.openai_engine import (
+        OpenAIEngine as OpenAIEngine,
+    )
+    from palaestra.rollout.engines.router import (
+        Router as Router,
+    )
+    from palaestra.rollout.engines.sampling import (
+        token_logprobs as token_logprobs,
+    )
+    from palaestra.rollout.engines.scripted import (
+        ScriptedEngine as ScriptedEngine,
+    )
+    from palaestra.rollout.engines.sglang import (
+        SGLangClient as SGLangClient,
+    )
+    from palaestra.rollout.engines.sglang import (
+        SGLangEngine as SGLangEngine,
+    )
+    from palaestra.rollout.engines.sglang import (
+        SGLangServerConfig as SGLangServerConfig,
+    )
 
 _LAZY = {
     "LocalEngine": "palaestra.rollout.engines.local",

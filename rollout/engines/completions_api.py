@@ -71,7 +71,7 @@ def _prompts(state: ServerState, prompt: Any) -> list[tuple[list[int], str | Non
     if len(raw) > state.limits.max_batch:
         raise BadRequest(f"the request has {len(raw)} prompts; this server takes at most "
                          f"{state.limits.max_batch}", "prompt", "above_max_value")
-    out = []
+    out: list[tuple[list[int], str | None]] = []
     for p in raw:
         if isinstance(p, str):
             out.append((state.encode(p, param="prompt"), p))

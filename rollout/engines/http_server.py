@@ -56,9 +56,9 @@ _GENERATE_IGNORED = {
 }
 _GENERATE_DEFAULT_ONLY: dict[str, tuple[Any, ...]] = {
     "input_embeds": (None,), "image_data": (None, []), "video_data": (None, []),
-    "audio_data": (None, []), "lora_path": (None,), "lora_id": (None,),
+    "audio_data": (None, []), "lora_id": (None,),
     "session_params": (None,), "custom_logit_processor": (None,),
-    "return_hidden_states": (False,), "return_routed_experts": (False,),
+    "return_hidden_states": (False,), "routed_experts_start_len": (None, 0),
     "return_indexer_topk": (False,), "top_logprobs_num": (None, 0),
     "token_ids_logprob": (None, []), "return_sampling_mask": (None, False),
     "return_entropy": (False,), "require_reasoning": (False,), "max_thinking_tokens": (None,),
@@ -253,6 +253,8 @@ class GenItem:
     params: SGLangSamplingParams
     return_logprob: bool
     rid: str
+    return_routed_experts: bool = False  # MoE: meta_info.routed_experts, as SGLang sends it
+    lora: str | None = None  # the LoRA adapter it names (SGLang's lora_path), None: default
 
 
 def _gen_text(state: ServerState, gen: Any, params: SGLangSamplingParams) -> str:
@@ -283,6 +285,11 @@ def _gen_response(state: ServerState, gen: Any, item: GenItem, text: str | None
     }
     if item.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(gen.logprobs, gen.token_ids)]
+    routes = gen.meta.get("routed_experts")
+    if item.return_routed_experts and routes is not None:
+        from palaestra.rollout.engines.moe import encode_routed_experts
+
+        meta["routed_experts"] = encode_routed_experts(routes)
     out: dict[str, Any] = {"output_ids": list(gen.token_ids), "meta_info": meta}
     if text is not None:
         out = {"text": text, **out}
@@ -389,6 +396,11 @@ def _normalise_generate(state: ServerState, body: Any) -> tuple[list[GenItem], b
     rls = rl if isinstance(rl, list) else [bool(rl)] * len(prompts)
     if len(rls) != len(prompts) or not all(isinstance(x, bool) for x in rls):
         raise ConfigError("return_logprob must be a bool or one bool per prompt")
+    want_routes = body.get("return_routed_experts", False)
+    if want_routes and state.engine.decoder.config.moe is None:
+        raise ConfigError("return_routed_experts needs a mixture-of-experts model; this server "
+                          "serves a dense one")
+    loras = _lora_names(body.get("lora_path"), len(prompts))
     rid = body.get("rid")
     if isinstance(rid, list):
         if len(rid) != len(prompts) or not all(isinstance(r, str) for r in rid):
@@ -404,8 +416,18 @@ def _normalise_generate(state: ServerState, body: Any) -> tuple[list[GenItem], b
         for i, prompt in enumerate(prompts):
             j = k * len(prompts) + i
             items.append(GenItem(prompt, sampling[i], parsed[i], rls[i],
-                                 rids[j] if j < len(rids) else f"{rids[i]}_{k}"))
+                                 rids[j] if j < len(rids) else f"{rids[i]}_{k}",
+                                 bool(want_routes), loras[i]))
     return items, not (single and n == 1)
+
+
+def _lora_names(value: Any, count: int) -> list[str | None]:
+    """``lora_path`` of /generate (an adapter's name, one per prompt, or None) per prompt."""
+    names = value if isinstance(value, list) else [value] * count
+    if len(names) != count or not all(n is None or isinstance(n, str) for n in names):
+        raise ConfigError("lora_path must be a loaded adapter's name, or one name (or null) per "
+                          "prompt")
+    return names
 
 
 def build_app(state: ServerState) -> web.Application:
@@ -473,7 +495,8 @@ def build_app(state: ServerState) -> web.Application:
             return await _stream_generate(request, state, items[0], with_text, session)
 
         gens = await asyncio.gather(*(
-            engine.generate(it.input_ids, it.sampling, request_id=it.rid, session_id=session)
+            engine.generate(it.input_ids, it.sampling, request_id=it.rid, session_id=session,
+                            lora=it.lora)
             for it in items))
 
         def answer() -> bytes:
@@ -724,6 +747,39 @@ def build_app(state: ServerState) -> web.Application:
         await engine.resume_memory(body.get("tags"))
         return web.json_response(None)
 
+    def _lora_answer(ok: bool, error: str | None) -> web.Response:
+        """SGLang's LoRAUpdateOutput: success, error_message, loaded_adapters (name -> path)."""
+        runtime = engine.decoder.lora
+        loaded = {n: runtime.adapter(n).source for n in runtime.names} if runtime else {}
+        return web.json_response({"success": ok, "error_message": error,
+                                  "loaded_adapters": loaded}, status=200 if ok else 400)
+
+    def _lora_body(body: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+        allowed = {*fields, "pinned", "lora_id", "rid"}
+        if not isinstance(body, dict) or set(body) - allowed:
+            raise ConfigError(f"the body takes {', '.join(sorted(allowed))}; got "
+                              f"{sorted(body) if isinstance(body, dict) else type(body).__name__}")
+        for key in fields:
+            if not isinstance(body.get(key), str) or not body[key]:
+                raise ConfigError(f"{key} must be a non-empty string")
+        return body
+
+    async def load_lora(request: web.Request) -> web.Response:
+        body = _lora_body(await read_json(request, state), ("lora_name", "lora_path"))
+        try:
+            await engine.load_lora_adapter(body["lora_name"], body["lora_path"])
+        except EngineError as exc:
+            return _lora_answer(False, str(exc))
+        return _lora_answer(True, None)
+
+    async def unload_lora(request: web.Request) -> web.Response:
+        body = _lora_body(await read_json(request, state), ("lora_name",))
+        try:
+            await engine.unload_lora_adapter(body["lora_name"])
+        except EngineError as exc:
+            return _lora_answer(False, str(exc))
+        return _lora_answer(True, None)
+
     async def close_pool(app: web.Application) -> None:
         state.close_pool()
 
@@ -752,6 +808,8 @@ def build_app(state: ServerState) -> web.Application:
     r.add_post("/pause_generation", pause)
     r.add_post("/continue_generation", resume)
     r.add_post("/abort_request", abort)
+    r.add_post("/load_lora_adapter", load_lora)
+    r.add_post("/unload_lora_adapter", unload_lora)
     for method in ("GET", "POST"):
         r.add_route(method, "/flush_cache", flush)
         r.add_route(method, "/release_memory_occupation", release)
@@ -773,7 +831,7 @@ async def _stream_generate(request: web.Request, state: ServerState, item: GenIt
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
     agen = state.engine.stream(item.input_ids, item.sampling, request_id=item.rid,
-                               session_id=session)
+                               session_id=session, lora=item.lora)
     await resp.prepare(request)
     state.streaming.add(id(request))
     tokens: list[int] = []

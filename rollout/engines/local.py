@@ -19,20 +19,21 @@ the prefix cache, and the weight version (with spans when an update landed mid-g
 from __future__ import annotations
 
 import asyncio
+import bisect
 import concurrent.futures
 import contextlib
 import itertools
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import ConfigError, EngineError
 from palaestra.rollout.engines.base import EngineUnavailableError, Generation, SamplingParams
-from palaestra.rollout.engines.prefix_cache import PrefixCache, PrefixEntry
+from palaestra.rollout.engines.prefix_cache import PrefixCache, PrefixEntry, common_prefix_len
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +66,8 @@ class LocalRequest:
     generator: Any = None
     version_spans: list[tuple[int, int]] = field(default_factory=list)
     share_prompt: bool = False  # keep the prompt's KV after prefill: others wait for it
+    routed_experts: Any = None  # MoE: int16 [kv_len, layers, top_k], set when it retires
+    lora: str | None = None  # the LoRA adapter it names (None: the engine's default adapter)
     created: float = field(default_factory=time.perf_counter)
 
     @property
@@ -93,6 +96,21 @@ class StreamChunk:
     generation: Generation | None = None
 
 
+def _longest_shared(admitted: list[tuple[tuple[int, ...], LocalRequest]],
+                    ids: Sequence[int]) -> tuple[LocalRequest | None, int]:
+    """The admitted request (sorted by prompt) sharing the longest prefix with ``ids``."""
+    if not admitted:
+        return None, 0
+    probe = tuple(ids)
+    at = bisect.bisect_left(admitted, probe, key=lambda e: e[0])
+    best, shared = None, 0
+    for prompt, req in admitted[max(at - 1, 0) : at + 1]:
+        n = common_prefix_len(prompt, probe)
+        if n > shared:
+            best, shared = req, n
+    return best, shared
+
+
 class LocalEngine:
     """Embedded engine over a Hugging Face Llama-family checkpoint (see the module docstring).
 
@@ -119,6 +137,7 @@ class LocalEngine:
         cuda_graphs: bool = True,
         decode_steps: int | None = None,
         tokenizer: Any = None,
+        lora_mode: str = "merged",
     ) -> None:
         import torch
 
@@ -148,9 +167,18 @@ class LocalEngine:
         # decode steps per host sync: hides the per-step Python work behind the GPU
         self.decode_steps = decode_steps or (8 if dev.type == "cuda" else 1)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
-        self.cache: SlotKVCache = SlotKVCache(
+        cache_kw: dict[str, Any] = {}
+        cache_cls: type[SlotKVCache] = SlotKVCache
+        if cfg.moe is not None:  # MoE: routed experts are kept per position next to the KV
+            from palaestra.rollout.engines.moe import SlotRouteKVCache
+
+            cache_cls, cache_kw = SlotRouteKVCache, {"route_layers": cfg.num_layers,
+                                                     "top_k": cfg.moe.top_k}
+            cuda_graphs = False  # the per-expert GEMMs read the expert counts on the host
+        self.cache: SlotKVCache = cache_cls(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=dev,
             max_length=self.max_model_len, slots=max_running if dev.type == "cuda" else 8,
+            **cache_kw,
         )
         self.prefix_cache = PrefixCache(prefix_cache_tokens) if prefix_cache_tokens > 0 else None
         self.logits_processors: list[LogitsProcessor] = []
@@ -173,6 +201,11 @@ class LocalEngine:
             from palaestra.rollout.engines.cuda_graphs import DecodeGraphs
 
             self._graphs = DecodeGraphs(self.decoder, self.cache, max_running)
+        from palaestra.rollout.engines.lora import LORA_MODES
+
+        if lora_mode not in LORA_MODES:
+            raise ConfigError(f"lora_mode {lora_mode!r}: use one of {', '.join(LORA_MODES)}")
+        self.lora_mode = lora_mode  # how the default LoRA adapter is applied (`lora.py`)
         self._version = 0
         self._waiting: deque[LocalRequest] = deque()
         self._running: list[LocalRequest] = []
@@ -237,8 +270,10 @@ class LocalEngine:
         *,
         request_id: str | None = None,
         session_id: str | None = None,
+        lora: str | None = None,
     ) -> Generation:
-        req = self._submit(input_ids, sampling, request_id, session_id, stream=False)
+        """Generate; ``lora`` names a loaded adapter (None: the default adapter, if any)."""
+        req = self._submit(input_ids, sampling, request_id, session_id, stream=False, lora=lora)
         try:
             return await asyncio.shield(req.future)
         except asyncio.CancelledError:
@@ -253,9 +288,10 @@ class LocalEngine:
         *,
         request_id: str | None = None,
         session_id: str | None = None,
-    ) -> AsyncIterator[StreamChunk]:
+        lora: str | None = None,
+    ) -> AsyncGenerator[StreamChunk, None]:
         """Like `generate`, but yields the tokens of every step; the last chunk has the result."""
-        req = self._submit(input_ids, sampling, request_id, session_id, stream=True)
+        req = self._submit(input_ids, sampling, request_id, session_id, stream=True, lora=lora)
         assert req.stream is not None
         try:
             while True:
@@ -308,11 +344,75 @@ class LocalEngine:
         assert self._lock is not None
         async with self._lock:
             await self._compute(self._load_after_producer, named)
+            if self.decoder.lora is not None:  # merged adapters re-merge onto the new base
+                await self._compute(self.decoder.lora.base_weights_changed)
             if self._graphs is not None:
                 self._graphs.weights_changed()
             if self.prefix_cache is not None:
                 self.prefix_cache.clear()
             self._version = self._version + 1 if version is None else int(version)
+
+    # ------------------------------------------------------------------------ LoRA adapters
+    @property
+    def lora_adapters(self) -> list[str]:
+        """Names of the loaded LoRA adapters."""
+        return [] if self.decoder.lora is None else self.decoder.lora.names
+
+    async def load_lora_adapter(self, name: str, path: str | None = None, *, adapter: Any = None,
+                                default: bool = False, version: int | None = None) -> None:
+        """Serve a LoRA adapter as ``name`` (a peft folder at ``path``, or a parsed
+        `LoraAdapter`); a loaded name is replaced. ``default``: requests that name no adapter
+        run it (the in-process policy sync; bumps the weight version and flushes the prefix
+        cache, whose KV was computed by the previous adapter)."""
+        from palaestra.rollout.engines.lora import LoraAdapter, LoraRuntime
+
+        if (path is None) == (adapter is None):
+            raise EngineError("load_lora_adapter takes exactly one of path or adapter")
+        parsed = adapter if adapter is not None else await asyncio.to_thread(
+            LoraAdapter.from_folder, name, path)
+        parsed.name = name
+        self._ensure_started()
+        assert self._lock is not None
+        async with self._lock:
+            def load() -> None:
+                if self.decoder.lora is None:
+                    self.decoder.lora = LoraRuntime(self.decoder, self.lora_mode)
+                self.decoder.lora.load(parsed, default=default)
+            await self._compute(load)
+            if self._graphs is not None:
+                self._graphs.weights_changed()
+            if default:
+                if self.prefix_cache is not None:
+                    self.prefix_cache.clear()
+                self._version = self._version + 1 if version is None else int(version)
+
+    async def update_adapter(self, state: Mapping[str, Any], config: Mapping[str, Any], *,
+                             name: str = "policy", version: int | None = None) -> None:
+        """The trainer's adapter (peft state dict + config) as the default adapter."""
+        from palaestra.rollout.engines.lora import LoraAdapter
+
+        adapter = LoraAdapter.from_peft(name, state, config)
+        await self.load_lora_adapter(name, adapter=adapter, default=True, version=version)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving ``name``; refused while a request that names it waits or runs."""
+        if self.decoder.lora is None or name not in self.decoder.lora.names:
+            raise EngineError(f"no LoRA adapter named {name!r} is loaded "
+                              f"(loaded: {self.lora_adapters or 'none'})")
+        busy = [r.request_id for r in self._by_id.values() if r.lora == name]
+        if busy:
+            raise EngineError(f"LoRA adapter {name!r} is in use by {len(busy)} request(s), e.g. "
+                              f"{busy[0]!r}: unload it when they finish (or abort them)")
+        self._ensure_started()
+        assert self._lock is not None
+        async with self._lock:
+            runtime = self.decoder.lora
+            was_default = runtime.default == runtime.id_of(name)
+            await self._compute(runtime.unload, name)
+            if self._graphs is not None:
+                self._graphs.weights_changed()
+            if was_default and self.prefix_cache is not None:
+                self.prefix_cache.clear()
 
     def _load_after_producer(self, named: Iterable[tuple[str, Any]]) -> int:
         import torch
@@ -430,7 +530,8 @@ class LocalEngine:
 
     # ------------------------------------------------------------------------------ submission
     def _submit(self, input_ids: Sequence[int], sampling: SamplingParams, request_id: str | None,
-                session_id: str | None, *, stream: bool) -> LocalRequest:
+                session_id: str | None, *, stream: bool, lora: str | None = None
+                ) -> LocalRequest:
         import torch
 
         if self._closed:
@@ -448,6 +549,11 @@ class LocalEngine:
             raise EngineError(
                 f"the prompt has {len(ids)} tokens; the engine's context is {self.max_model_len}"
             )
+        if lora is not None:  # fail now on an adapter that is not loaded
+            if self.decoder.lora is None:
+                raise EngineError(f"no LoRA adapter named {lora!r} is loaded (none are); load "
+                                  "it first (load_lora_adapter)")
+            self.decoder.lora.id_of(lora)
         if sampling.stop:
             _ = self.tokenizer  # fail now, not mid-generation
         self._ensure_started()
@@ -464,6 +570,7 @@ class LocalEngine:
             stop_ids=stop_ids,
             generator=(torch.Generator().manual_seed(sampling.seed)
                        if sampling.seed is not None else None),
+            lora=lora,
         )
         self.counters["requests"] += 1
         self.counters["prompt_tokens"] += len(ids)
@@ -555,9 +662,8 @@ class LocalEngine:
         self._after_step(reqs, tokens, logprobs)
 
     def _reap_aborted(self) -> None:
-        aborted = [r for r in self._running if r.abort_message is not None]
-        for req in sorted(aborted, key=lambda r: -r.slot):
-            self._retire(req, "abort", {"type": "abort", "message": req.abort_message or ""})
+        self._retire_many([(r, "abort", {"type": "abort", "message": r.abort_message or ""})
+                           for r in self._running if r.abort_message is not None])
 
     def _admit(self) -> list[LocalRequest]:
         """Waiting requests for the next prefill, in arrival order, within the token budget.
@@ -567,26 +673,28 @@ class LocalEngine:
         one step: the admitted one's prompt KV is kept after its prefill, so the waiting one
         then prefills only its own suffix.
         """
-        from palaestra.rollout.engines.prefix_cache import KEY_TOKENS, common_prefix_len
+        from palaestra.rollout.engines.prefix_cache import KEY_TOKENS
 
         admitted: list[LocalRequest] = []
         budget = self.max_prefill_tokens
         deferred: list[LocalRequest] = []
-        by_key: dict[tuple[int, ...], list[LocalRequest]] = {}
+        # admitted prompts per first-KEY_TOKENS key, sorted: the admitted prompt sharing the
+        # longest prefix with a new one is one of its two sorted neighbours, so each check is
+        # a bisection and two comparisons, not one per admitted prompt (256 samples of one
+        # system prompt made that quadratic: ~1 s of event-loop time per RL step)
+        by_key: dict[tuple[int, ...], list[tuple[tuple[int, ...], LocalRequest]]] = {}
         cache = self.prefix_cache
         while self._waiting and len(self._running) + len(admitted) < self.max_running:
             req = self._waiting[0]
             entry, hit = (None, 0)
-            if cache is not None:
+            if cache is not None and req.lora is None:  # a named adapter's KV is its own
                 entry, hit = cache.match(req.input_ids)
                 hit = min(hit, len(req.input_ids) - 1)  # at least one token computes logits
-                key = tuple(req.input_ids[:KEY_TOKENS])
-                sharing = by_key.get(key, ())
-                shared = max((common_prefix_len(a.input_ids, req.input_ids) for a in sharing),
-                             default=0)
-                if min(shared, len(req.input_ids) - 1) > max(hit, cache.min_tokens - 1):
-                    for a in sharing:
-                        a.share_prompt = True
+                best, shared = _longest_shared(by_key.get(tuple(req.input_ids[:KEY_TOKENS]), []),
+                                               req.input_ids)
+                if best is not None and \
+                        min(shared, len(req.input_ids) - 1) > max(hit, cache.min_tokens - 1):
+                    best.share_prompt = True
                     deferred.append(self._waiting.popleft())
                     continue
             new = len(req.input_ids) - hit
@@ -596,8 +704,10 @@ class LocalEngine:
             req.entry, req.cached_tokens = (entry, hit) if hit > 0 else (None, 0)
             req.slot = len(self._running) + len(admitted)
             admitted.append(req)
-            if cache is not None and len(req.input_ids) >= cache.min_tokens:
-                by_key.setdefault(tuple(req.input_ids[:KEY_TOKENS]), []).append(req)
+            if cache is not None and len(req.input_ids) >= cache.min_tokens and req.lora is None:
+                ids = tuple(req.input_ids)
+                bisect.insort(by_key.setdefault(ids[:KEY_TOKENS], []), (ids, req),
+                              key=lambda e: e[0])
             budget -= new
         self._waiting.extendleft(reversed(deferred))  # first in line for the next step
         return admitted
@@ -640,6 +750,7 @@ class LocalEngine:
             positions=positions.to(dev), pad_index=pad_index, mask=mask,
             last_index=(ends - 1).to(dev), key_len=key_len,
         )
+        self._lora_rows(reqs, lens)
         logits = self.decoder.extend(tokens.to(dev), batch, self.cache)
         self.counters["prefill_tokens"] += sum(lens)
         self.counters["cached_tokens"] += sum(starts)
@@ -673,10 +784,11 @@ class LocalEngine:
         pos0 = torch.tensor(positions, device=dev)
         plan = self._sampling_plan(reqs, k)
         out_tokens, out_logprobs = [], []
+        lowrank = self._lora_rows(reqs)  # the captured graphs hold no low-rank updates
         for step in range(k):
             key_len = max(positions) + step + 1
             pos = pos0 + step if step else pos0
-            if self._graphs is not None and self._graphs.supports(b, key_len):
+            if self._graphs is not None and not lowrank and self._graphs.supports(b, key_len):
                 logits = self._graphs.run(tokens_dev, pos, key_len)
             else:
                 logits = self.decoder.decode(tokens_dev, pos, self.cache, key_len)
@@ -689,6 +801,13 @@ class LocalEngine:
         toks = both[:k].t().tolist()
         lps = both[k:].t().tolist()
         return [[int(t) for t in row] for row in toks], lps
+
+    def _lora_rows(self, reqs: list[LocalRequest], lens: list[int] | None = None) -> bool:
+        """Tell the LoRA runtime each request's adapter; whether low-rank work is needed."""
+        runtime = self.decoder.lora
+        if runtime is None:
+            return False
+        return bool(runtime.set_rows([runtime.id_of(r.lora) for r in reqs], lens))
 
     def _sample(self, logits: torch.Tensor, reqs: list[LocalRequest]
                 ) -> tuple[list[list[int]], list[list[float]]]:
@@ -763,8 +882,7 @@ class LocalEngine:
             if req.stream is not None:
                 req.stream.put_nowait(StreamChunk(tuple(toks), tuple(lps)))
         self.counters["generated_tokens"] += generated
-        for req, reason, detail in sorted(finished, key=lambda f: -f[0].slot):
-            self._retire(req, reason, detail)
+        self._retire_many(finished)
 
     def _share_prompts(self, reqs: list[LocalRequest]) -> None:
         """Keep the prompt KV of prefilled requests that others are waiting to share."""
@@ -795,17 +913,49 @@ class LocalEngine:
             return "length", {"type": "length", "length": len(req.output_ids)}
         return None
 
-    def _retire(self, req: LocalRequest, reason: str, detail: dict[str, Any]) -> None:
-        """Take a running request out of its slot (keeping its KV for reuse) and finish it."""
+    def _retire_many(self, finished: list[tuple[LocalRequest, str, dict[str, Any]]]) -> None:
+        """Take running requests out of their slots (keeping their KV for reuse), finish them.
+
+        The survivors are compacted in one batched slot move (two copy kernels for all of
+        them), not one move per finished request: the GPU waits for this bookkeeping.
+        """
         import torch
 
+        if not finished:
+            return
         with torch.inference_mode(), self._on_stream():
-            if self.prefix_cache is not None and req.kv_len >= self.prefix_cache.min_tokens:
-                n = req.kv_len
-                tokens = tuple(req.input_ids + req.output_ids)[:n]
-                self.prefix_cache.insert(tokens, self.cache.extract(req.slot, n), req.session_id)
-            self._release_slot_of(req)
-        self._finish(req, reason, detail)
+            cache = self.prefix_cache
+            for req, _, _ in finished:
+                if cache is not None and req.kv_len >= cache.min_tokens and req.lora is None:
+                    n = req.kv_len
+                    tokens = tuple(req.input_ids + req.output_ids)[:n]
+                    cache.insert(tokens, self.cache.extract(req.slot, n), req.session_id)
+            routes_of = getattr(self.cache, "routes_of", None)  # MoE: the routed experts
+            if routes_of is not None:
+                for req, _, _ in finished:
+                    req.routed_experts = routes_of(req.slot, req.kv_len)
+            self._compact([req for req, _, _ in finished])
+        for req, reason, detail in finished:
+            self._finish(req, reason, detail)
+
+    def _compact(self, leaving: list[LocalRequest]) -> None:
+        """Remove ``leaving`` from the running batch: tail survivors move into the holes."""
+        gone = {id(r) for r in leaving}
+        running = self._running
+        keep = len(running) - sum(1 for r in running if id(r) in gone)
+        holes = sorted(r.slot for r in running if id(r) in gone and r.slot < keep)
+        movers = [r for r in running[keep:] if id(r) not in gone]
+        compacted = list(running[:keep])
+        moves = []
+        for hole, req in zip(holes, movers):
+            moves.append((req.slot, hole))
+            compacted[hole] = req
+            req.slot = hole
+        if moves:
+            self.cache.move_many(moves, max(r.kv_len for r in movers))
+        running[:] = compacted
+        for req in leaving:
+            req.slot = -1
 
     def _release_slot_of(self, req: LocalRequest) -> None:
         if req not in self._running:
@@ -839,6 +989,7 @@ class LocalEngine:
                 "finish_reason": detail,
                 "weight_version_spans": tuple(spans),
                 "e2e_latency": time.perf_counter() - req.created,
+                **({} if req.routed_experts is None else {"routed_experts": req.routed_experts}),
             },
         )
         req.future.set_result(gen)

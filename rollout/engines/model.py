@@ -1,4 +1,6 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) on Hugging Face weights, for `LocalEngine`.
+"""A Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE) on Hugging Face weights.
+
+For `LocalEngine`; the sparse blocks of ``qwen3_moe`` are in `palaestra.rollout.engines.moe`.
 
 The engine does not run the transformers module tree: per decode step that costs several Python
 calls per sub-module and a mask rebuild per layer. Instead the checkpoint's tensors are copied
@@ -22,13 +24,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import EngineError
+from palaestra.rollout.engines.moe import MoEConfig
 
 if TYPE_CHECKING:
     import torch
 
     from palaestra.rollout.engines.kv_cache import SlotKVCache
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,7 @@ class DecoderConfig:
     tie_word_embeddings: bool
     qk_norm: bool
     eos_token_ids: tuple[int, ...]
+    moe: MoEConfig | None = None  # qwen3_moe: the sparse blocks (see `moe`)
 
     @classmethod
     def from_hf(cls, hf: Any) -> DecoderConfig:
@@ -63,6 +67,7 @@ class DecoderConfig:
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
         eos = hf.eos_token_id
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        moe = MoEConfig.from_hf(hf, hf.num_hidden_layers) if model_type == "qwen3_moe" else None
         return cls(
             model_type=model_type,
             num_layers=hf.num_hidden_layers,
@@ -75,8 +80,9 @@ class DecoderConfig:
             rms_norm_eps=hf.rms_norm_eps,
             max_positions=hf.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             eos_token_ids=tuple(int(e) for e in eos_ids),
+            moe=moe,
         )
 
 
@@ -101,7 +107,31 @@ class ExtendBatch:
 
 class _Layer:
     __slots__ = ("in_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "post_norm", "gate_up_w",
-                 "down_w")
+                 "down_w", "router_w", "experts_gate_up", "experts_down")
+    in_norm: torch.Tensor
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_w: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up_w: torch.Tensor | None  # None on a sparse (MoE) layer
+    down_w: torch.Tensor | None
+    router_w: torch.Tensor | None  # None on a dense layer
+    experts_gate_up: torch.Tensor | None
+    experts_down: torch.Tensor | None
+
+    def sparse(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(router, experts' gate_up, experts' down) of a MoE layer; None on a dense one."""
+        if self.router_w is None or self.experts_gate_up is None or self.experts_down is None:
+            return None
+        return self.router_w, self.experts_gate_up, self.experts_down
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up, down) of a dense layer's MLP."""
+        if self.gate_up_w is None or self.down_w is None:
+            raise EngineError("a MoE layer has no dense MLP weights")
+        return self.gate_up_w, self.down_w
 
 
 class Decoder:
@@ -117,6 +147,7 @@ class Decoder:
         c = config
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.q_dim, self.kv_dim = q_dim, kv_dim
+        self.lora: Any = None  # a `palaestra.rollout.engines.lora.LoraRuntime` serving adapters
 
         def new(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, device=self.device, dtype=dtype)
@@ -125,7 +156,8 @@ class Decoder:
         self.lm_head = self.embed if c.tie_word_embeddings else new(c.vocab_size, c.hidden_size)
         self.final_norm = new(c.hidden_size)
         self.layers: list[_Layer] = []
-        for _ in range(c.num_layers):
+        sparse = set(c.moe.sparse_layers) if c.moe is not None else set()
+        for index in range(c.num_layers):
             layer = _Layer()
             layer.in_norm = new(c.hidden_size)
             layer.qkv_w = new(q_dim + 2 * kv_dim, c.hidden_size)
@@ -134,10 +166,22 @@ class Decoder:
             layer.k_norm = new(c.head_dim) if c.qk_norm else None
             layer.o_w = new(c.hidden_size, q_dim)
             layer.post_norm = new(c.hidden_size)
-            layer.gate_up_w = new(2 * c.intermediate_size, c.hidden_size)
-            layer.down_w = new(c.hidden_size, c.intermediate_size)
+            layer.router_w = layer.experts_gate_up = layer.experts_down = None
+            if index in sparse:
+                assert c.moe is not None
+                e, inter = c.moe.num_experts, c.moe.moe_intermediate_size
+                layer.gate_up_w = layer.down_w = None
+                layer.router_w = new(e, c.hidden_size)
+                layer.experts_gate_up = new(e, 2 * inter, c.hidden_size)
+                layer.experts_down = new(e, c.hidden_size, inter)
+            else:
+                layer.gate_up_w = new(2 * c.intermediate_size, c.hidden_size)
+                layer.down_w = new(c.hidden_size, c.intermediate_size)
             self.layers.append(layer)
+        #: expert ids ``[N, K]`` each sparse layer chose in the last forward (None on dense ones)
+        self.last_routes: list[torch.Tensor | None] = [None] * c.num_layers
         self._views = self._build_views()
+        self._aliases = self._build_aliases()
         self.cos, self.sin = _rope_tables(hf_config, c, self.device, dtype)
         half = c.head_dim // 2  # rotate_half(x) * sin == swap_halves(x) * (sin with -first half)
         self.sin = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
@@ -163,14 +207,42 @@ class Decoder:
                 views[p + "self_attn.q_proj.bias"] = layer.qkv_b[:q_dim]
                 views[p + "self_attn.k_proj.bias"] = layer.qkv_b[q_dim : q_dim + kv_dim]
                 views[p + "self_attn.v_proj.bias"] = layer.qkv_b[q_dim + kv_dim :]
-            if layer.q_norm is not None:
+            if layer.q_norm is not None and layer.k_norm is not None:  # both or neither
                 views[p + "self_attn.q_norm.weight"] = layer.q_norm
                 views[p + "self_attn.k_norm.weight"] = layer.k_norm
             views[p + "self_attn.o_proj.weight"] = layer.o_w
-            views[p + "mlp.gate_proj.weight"] = layer.gate_up_w[:inter]
-            views[p + "mlp.up_proj.weight"] = layer.gate_up_w[inter:]
-            views[p + "mlp.down_proj.weight"] = layer.down_w
+            sparse = layer.sparse()
+            if sparse is not None:
+                views[p + "mlp.gate.weight"] = sparse[0]
+                views[p + "mlp.experts.gate_up_proj"] = sparse[1]
+                views[p + "mlp.experts.down_proj"] = sparse[2]
+                continue
+            gate_up_w, down_w = layer.dense()
+            views[p + "mlp.gate_proj.weight"] = gate_up_w[:inter]
+            views[p + "mlp.up_proj.weight"] = gate_up_w[inter:]
+            views[p + "mlp.down_proj.weight"] = down_w
         return views
+
+    def _build_aliases(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """Per-expert checkpoint names (``mlp.experts.{e}.gate_proj.weight``, what
+        ``save_pretrained`` writes) -> (the fused in-memory name they fill, the slice)."""
+        aliases: dict[str, tuple[str, torch.Tensor]] = {}
+        if self.config.moe is None:
+            return aliases
+        inter = self.config.moe.moe_intermediate_size
+        for i, layer in enumerate(self.layers):
+            sparse = layer.sparse()
+            if sparse is None:
+                continue
+            router_w, experts_gate_up, experts_down = sparse
+            p = f"model.layers.{i}.mlp.experts."
+            for e in range(router_w.shape[0]):
+                aliases[f"{p}{e}.gate_proj.weight"] = (p + "gate_up_proj",
+                                                        experts_gate_up[e, :inter])
+                aliases[f"{p}{e}.up_proj.weight"] = (p + "gate_up_proj",
+                                                      experts_gate_up[e, inter:])
+                aliases[f"{p}{e}.down_proj.weight"] = (p + "down_proj", experts_down[e])
+        return aliases
 
     def to_device(self, device: Any) -> None:
         """Move every weight to ``device`` (``release_memory_occupation`` of weights on a GPU)."""
@@ -192,6 +264,7 @@ class Decoder:
             self.cos, self.sin = self.cos.to(device), self.sin.to(device)
         self.device = device
         self._views = self._build_views()
+        self._aliases = self._build_aliases()
 
     # ----------------------------------------------------------------------------- weights
     @property
@@ -200,7 +273,8 @@ class Decoder:
 
     def weight(self, name: str) -> torch.Tensor | None:
         """The tensor (or fused slice) holding the HF weight ``name``; None if there is none."""
-        return self._views.get(name)
+        alias = self._aliases.get(name)
+        return self._views.get(name) if alias is None else alias[1]
 
     def num_bytes(self) -> int:
         seen = {self.embed.data_ptr(): self.embed.numel() * self.embed.element_size()}
@@ -228,6 +302,8 @@ class Decoder:
                 if name.endswith("rotary_emb.inv_freq"):
                     continue
                 dst = self._views.get(name)
+                if dst is None and name in self._aliases:
+                    dst = self._aliases[name][1]
                 if dst is None:
                     if strict:
                         problems.append(f"unknown weight {name!r}")
@@ -249,7 +325,16 @@ class Decoder:
 
     def missing_after_full_load(self, loaded: set[str]) -> list[str]:
         skip = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        by_fused: dict[str, list[str]] = {}
+        for alias, (fused, _) in self._aliases.items():
+            by_fused.setdefault(fused, []).append(alias)
+        skip |= {fused for fused, names in by_fused.items() if loaded.issuperset(names)}
         return sorted(set(self._views) - loaded - skip)
+
+    @classmethod
+    def config_from_hf(cls, hf: Any) -> DecoderConfig:
+        """This decoder's `DecoderConfig` of a Hugging Face config (subclasses: their layout)."""
+        return DecoderConfig.from_hf(hf)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: Any, dtype: Any) -> Decoder:
@@ -263,7 +348,11 @@ class Decoder:
                 "(e.g. one written by `palaestra init-model`)"
             )
         hf_config = AutoConfig.from_pretrained(path)
-        config = DecoderConfig.from_hf(hf_config)
+        if cls is Decoder and getattr(hf_config, "model_type", "") == "deepseek_v3":
+            from palaestra.rollout.engines.deepseek import MLADecoder
+
+            return MLADecoder.from_pretrained(path, device, dtype)
+        config = cls.config_from_hf(hf_config)
         files = safetensors_files(path)
         qkv_bias = any(name.endswith("q_proj.bias") for name, _ in _iter_names(files))
         model = cls(config, hf_config, device, dtype, qkv_bias=qkv_bias)
@@ -283,10 +372,14 @@ class Decoder:
     @classmethod
     def from_hf_model(cls, hf_model: Any, device: Any = None, dtype: Any = None) -> Decoder:
         """Build from an in-memory transformers model (weights are copied)."""
+        if cls is Decoder and getattr(hf_model.config, "model_type", "") == "deepseek_v3":
+            from palaestra.rollout.engines.deepseek import MLADecoder
+
+            return MLADecoder.from_hf_model(hf_model, device, dtype)
         param = next(hf_model.parameters())
         device = device if device is not None else param.device
         dtype = dtype if dtype is not None else param.dtype
-        config = DecoderConfig.from_hf(hf_model.config)
+        config = cls.config_from_hf(hf_model.config)
         state = hf_model.state_dict()
         qkv_bias = any(k.endswith("q_proj.bias") for k in state)
         model = cls(config, hf_model.config, device, dtype, qkv_bias=qkv_bias)
@@ -313,6 +406,8 @@ class Decoder:
         c = self.config
         n = x.shape[0]
         qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+        if self.lora is not None:
+            qkv = self.lora.add(layer, "qkv", x, qkv)
         qk_dim = self.q_dim + self.kv_dim
         v = qkv[:, qk_dim:].view(n, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
@@ -332,8 +427,23 @@ class Decoder:
 
         c = self.config
         x = F.rms_norm(h, (c.hidden_size,), layer.post_norm, c.rms_norm_eps)
-        gate, up = F.linear(x, layer.gate_up_w).chunk(2, dim=-1)
-        return torch.addmm(h, F.silu(gate) * up, layer.down_w.t())  # residual fused in the GEMM
+        sparse = layer.sparse()
+        if sparse is not None:
+            from palaestra.rollout.engines.moe import experts_forward, route
+
+            assert c.moe is not None
+            router_w, experts_gate_up, experts_down = sparse
+            ids, weights = route(x, router_w, c.moe.top_k, c.moe.norm_topk_prob)
+            self.last_routes[self.layers.index(layer)] = ids
+            return h + experts_forward(x, ids, weights, experts_gate_up, experts_down)
+        gate_up_w, down_w = layer.dense()
+        if self.lora is not None:  # LoRA: the adapters' low-rank updates of the projections
+            act = self.lora.add(layer, "gate_up", x, F.linear(x, gate_up_w))
+            gate, up = act.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            return self.lora.add(layer, "down", act, torch.addmm(h, act, down_w.t()))
+        gate, up = F.linear(x, gate_up_w).chunk(2, dim=-1)
+        return torch.addmm(h, F.silu(gate) * up, down_w.t())  # residual fused in the GEMM
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         import torch.nn.functional as F
@@ -384,7 +494,11 @@ class Decoder:
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vals_i.dtype)
             attn = torch.bmm(probs, vals_i).view(b, self.q_dim)
             h = torch.addmm(h, attn, layer.o_w.t())
+            if self.lora is not None:
+                h = self.lora.add(layer, "o", attn, h)
             h = self._mlp_residual(layer, h)
+        if c.moe is not None and hasattr(cache, "write"):
+            cache.write(slots, positions, self.last_routes)
         return self._logits(h)
 
     def extend(self, tokens: torch.Tensor, batch: ExtendBatch, cache: SlotKVCache) -> torch.Tensor:
@@ -418,7 +532,11 @@ class Decoder:
             if batch.pad_index is not None:
                 out = out[batch.pad_index]
             h = torch.addmm(h, out, layer.o_w.t())
+            if self.lora is not None:
+                h = self.lora.add(layer, "o", out, h)
             h = self._mlp_residual(layer, h)
+        if c.moe is not None and hasattr(cache, "write"):
+            cache.write(batch.slot_ids, positions, self.last_routes)
         return self._logits(h[batch.last_index])
 
     def prefill_full(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -437,7 +555,10 @@ class Decoder:
             q, k, v = self._qkv(layer, x, cos, sin)
             out = _attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                              v.transpose(0, 1)[None], None, self.scale)
-            h = torch.addmm(h, out[0].transpose(0, 1).reshape(n, self.q_dim), layer.o_w.t())
+            attn = out[0].transpose(0, 1).reshape(n, self.q_dim)
+            h = torch.addmm(h, attn, layer.o_w.t())
+            if self.lora is not None:
+                h = self.lora.add(layer, "o", attn, h)
             h = self._mlp_residual(layer, h)
         return self._logits(h)
 

@@ -78,9 +78,10 @@ class OpenAIEngine:
             raise EngineError(f"{self.model} returned no choices")
         choice = resp.choices[0]
         msg = choice.message
+        functions = [(c, getattr(c, "function", None)) for c in (msg.tool_calls or ())]
         calls = tuple(
-            ToolCall(name=c.function.name, arguments=c.function.arguments or "{}", id=c.id or "")
-            for c in (msg.tool_calls or ()) if getattr(c, "function", None) is not None
+            ToolCall(name=f.name, arguments=f.arguments or "{}", id=c.id or "")
+            for c, f in functions if f is not None  # custom (non-function) tool calls are skipped
         )
         reasoning = getattr(msg, "reasoning_content", None)
         usage = resp.usage

@@ -9,7 +9,9 @@
 - **Health checks**: a background task polls ``health()`` of every engine, taking unhealthy
   ones out and putting recovered ones back.
 - Engines can be added and removed at runtime; control calls (weights, pause, abort, flush) go
-  to every engine.
+  to every engine. `drain_engine` removes one gracefully: no new requests, those in flight
+  finish, and any still running after ``timeout_s`` are cancelled there and retried on another
+  engine. `metrics` counts the engines added and removed and the requests each one served.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import contextlib
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from palaestra.errors import EngineError
@@ -34,6 +36,7 @@ class _Member:
     outstanding: int = 0
     served: int = 0
     failures: int = 0
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # a drain gave up on it
 
 
 class Router:
@@ -46,29 +49,67 @@ class Router:
         self._sessions: OrderedDict[str, _Member] = OrderedDict()
         self._where: dict[str, _Member] = {}
         self._rr = itertools.count()
+        self._ids = itertools.count()
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
         self.max_sessions = max_sessions
         self.close_engines = close_engines
         self._health_task: asyncio.Task[None] | None = None
         self._version = 0
+        self.added = 0  # engines added / removed after construction (``engines/*`` metrics)
+        self.removed = 0
+        self.retried = 0  # requests moved to another engine by a drain's timeout
+        self._served_by_gone: dict[str, int] = {}
         for e in engines:
             self.add_engine(e)
+        self.added = 0
 
     # ---------------------------------------------------------------------------- members
     def add_engine(self, engine: Engine, name: str | None = None) -> None:
-        self._members.append(_Member(engine, name or getattr(engine, "url", None)
-                                     or f"engine-{len(self._members)}"))
+        name = name or getattr(engine, "url", None) or f"engine-{next(self._ids)}"
+        if any(m.name == name for m in self._members):
+            raise EngineError(f"the router already has an engine {name!r}")
+        self._members.append(_Member(engine, name))
+        self.added += 1
+
+    def _member(self, engine: Engine | str) -> _Member:
+        for m in self._members:
+            if m.engine is engine or m.name == engine:
+                return m
+        raise EngineError(f"no engine {engine!r} in this router "
+                          f"(it has: {', '.join(m.name for m in self._members) or 'none'})")
 
     def remove_engine(self, engine: Engine | str) -> Engine:
         """Stop routing to an engine (requests in flight on it finish); returns it."""
-        for m in self._members:
-            if m.engine is engine or m.name == engine:
-                self._members.remove(m)
-                for sid in [s for s, mm in self._sessions.items() if mm is m]:
-                    del self._sessions[sid]
-                return m.engine
-        raise EngineError(f"no engine {engine!r} in this router")
+        m = self._member(engine)
+        self._members.remove(m)
+        for sid in [s for s, mm in self._sessions.items() if mm is m]:
+            del self._sessions[sid]
+        self.removed += 1
+        self._served_by_gone[m.name] = self._served_by_gone.get(m.name, 0) + m.served
+        return m.engine
+
+    async def drain_engine(self, engine: Engine | str, timeout_s: float = 60.0,
+                           poll_s: float = 0.02) -> dict[str, Any]:
+        """Remove an engine gracefully: no new requests go to it at once; the requests in
+        flight on it finish, or after ``timeout_s`` are cancelled there and retried on another
+        engine. Returns ``{"name", "finished", "retried", "seconds"}``; the engine is not
+        closed (the caller owns it)."""
+        m = self._member(engine)
+        start = loop_time = asyncio.get_running_loop().time()
+        in_flight, served = m.outstanding, m.served
+        self.remove_engine(m.engine)
+        while m.outstanding > 0 and loop_time - start < timeout_s:
+            await asyncio.sleep(poll_s)
+            loop_time = asyncio.get_running_loop().time()
+        left = m.outstanding
+        if left:
+            m.gone.set()  # the generate calls still on it move to another engine
+            while m.outstanding > 0:
+                await asyncio.sleep(poll_s)
+        self._served_by_gone[m.name] += m.served - served
+        return {"name": m.name, "in_flight": in_flight, "finished": in_flight - left,
+                "retried": left, "seconds": asyncio.get_running_loop().time() - start}
 
     @property
     def engines(self) -> list[Engine]:
@@ -76,7 +117,21 @@ class Router:
 
     def status(self) -> list[dict[str, Any]]:
         return [{"name": m.name, "healthy": m.healthy, "outstanding": m.outstanding,
-                 "served": m.served, "failures": m.failures} for m in self._members]
+                 "served": m.served, "failures": m.failures,
+                 "weight_version": m.engine.weight_version} for m in self._members]
+
+    def metrics(self) -> dict[str, float]:
+        """``engines/count``, ``engines/added``, ``engines/removed``, ``engines/retried`` and
+        ``engines/requests/<name>`` (requests served, removed engines included)."""
+        out: dict[str, float] = {"engines/count": float(len(self._members)),
+                                 "engines/added": float(self.added),
+                                 "engines/removed": float(self.removed),
+                                 "engines/retried": float(self.retried)}
+        served = dict(self._served_by_gone)
+        for m in self._members:
+            served[m.name] = served.get(m.name, 0) + m.served
+        out.update({f"engines/requests/{name}": float(n) for name, n in served.items()})
+        return out
 
     def _pick(self, session_id: str | None, exclude: set[int]) -> _Member | None:
         live = [m for m in self._members if m.healthy and id(m) not in exclude]
@@ -142,8 +197,11 @@ class Router:
             if request_id is not None:
                 self._where[request_id] = m
             try:
-                gen = await m.engine.generate(input_ids, sampling, request_id=request_id,
-                                              session_id=session_id)
+                gen = await self._generate_on(m, input_ids, sampling, request_id, session_id)
+                if gen is None:  # drained away from m: retry on another engine
+                    self.retried += 1
+                    tried.discard(id(m))
+                    continue
             except EngineUnavailableError as exc:
                 m.healthy = False
                 m.failures += 1
@@ -155,6 +213,29 @@ class Router:
                     self._where.pop(request_id, None)
             m.served += 1
             return gen
+
+    async def _generate_on(self, m: _Member, input_ids: Sequence[int], sampling: SamplingParams,
+                           request_id: str | None, session_id: str | None) -> Generation | None:
+        """``m``'s generation, or None when a drain of ``m`` gave up on it first."""
+        task = asyncio.ensure_future(m.engine.generate(
+            input_ids, sampling, request_id=request_id, session_id=session_id))
+        waiter = asyncio.ensure_future(m.gone.wait())
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the caller was cancelled: so is the request
+            task.cancel()
+            raise
+        finally:
+            waiter.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        if request_id is not None:  # best effort: free the drained engine's slot
+            with contextlib.suppress(Exception):
+                await m.engine.abort([request_id])
+        return None
 
     async def _broadcast(self, what: str, *args: Any, **kw: Any) -> None:
         members = [m for m in self._members if m.healthy]

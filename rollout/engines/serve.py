@@ -124,7 +124,7 @@ async def start_server(engine: LocalEngine, *, host: str = "127.0.0.1", port: in
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    sockets = site._server.sockets if site._server is not None else []  # type: ignore[union-attr]
+    sockets = getattr(site._server, "sockets", None) or []  # aiohttp's bound sockets
     state.port = sockets[0].getsockname()[1] if sockets else port
     shown = f"[{host}]" if ":" in host else host
     return RunningServer(url=f"http://{shown}:{state.port}", runner=runner, app=app, state=state)

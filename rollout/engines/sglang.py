@@ -51,7 +51,11 @@ class SGLangClient:
 
     def __init__(self, url: str, *, request_timeout_s: float | None = 3600.0,
                  connect_timeout_s: float = 5.0, retries: int = 3, backoff_s: float = 0.25,
-                 tensor_format: str = "safetensors", tp_size: int = 1) -> None:
+                 tensor_format: str = "safetensors", tp_size: int = 1,
+                 routed_experts: tuple[int, int] | None = None) -> None:
+        """``routed_experts=(num_layers, top_k)`` of an MoE model: ask for SGLang's
+        ``return_routed_experts`` (the server needs ``--enable-return-routed-experts``) and
+        hand them back as ``Generation.meta["routed_experts"]`` ``[positions, layers, top_k]``."""
         if tensor_format not in ("safetensors", "sglang"):
             raise ConfigError("tensor_format must be 'safetensors' or 'sglang'")
         self.url = url.rstrip("/")
@@ -61,6 +65,7 @@ class SGLangClient:
         self.backoff_s = backoff_s
         self.tensor_format = tensor_format
         self.tp_size = tp_size
+        self.routed_experts = routed_experts
         self._version = 0
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
@@ -128,8 +133,9 @@ class SGLangClient:
 
     # ----------------------------------------------------------------------------- protocol
     async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, *,
-                       request_id: str | None = None, session_id: str | None = None) -> Generation:
-
+                       request_id: str | None = None, session_id: str | None = None,
+                       lora: str | None = None) -> Generation:
+        """``lora`` names an adapter loaded with `load_lora_adapter` (SGLang's ``lora_path``)."""
         ids = [int(t) for t in input_ids]
         base = request_id or f"sgl-{time.monotonic_ns():x}"
         last: BaseException | None = None
@@ -140,6 +146,10 @@ class SGLangClient:
             self._rids[base] = rid
             payload = {"input_ids": ids, "sampling_params": sampling.to_sglang(),
                        "return_logprob": True, "rid": rid}
+            if self.routed_experts is not None:
+                payload["return_routed_experts"] = True
+            if lora is not None:
+                payload["lora_path"] = lora
             try:
                 out = await self.request("POST", "/generate", payload, retries=0)
             except EngineUnavailableError as exc:
@@ -168,13 +178,19 @@ class SGLangClient:
                 f"and finish_reason {finish!r}; expected one logprob per token"
             )
         version = _version_of(meta.get("weight_version"), self._version)
+        extra: dict[str, Any] = {}
+        if self.routed_experts is not None and meta.get("routed_experts") is not None:
+            from palaestra.rollout.engines.moe import decode_routed_experts
+
+            extra["routed_experts"] = decode_routed_experts(meta["routed_experts"],
+                                                            *self.routed_experts)
         return Generation(
             token_ids=tuple(int(t) for t in token_ids), logprobs=tuple(logprobs),
             finish_reason=reason, weight_version=version,
             prompt_tokens=int(meta.get("prompt_tokens", prompt_len)),
             cached_tokens=int(meta.get("cached_tokens", 0)),
             meta={"id": meta.get("id"), "finish_reason": finish, "engine": self.url,
-                  "e2e_latency": meta.get("e2e_latency")},
+                  "e2e_latency": meta.get("e2e_latency"), **extra},
         )
 
     async def update_weights(self, state_dict: Mapping[str, Any] | Iterable[tuple[str, Any]] | None
@@ -209,6 +225,28 @@ class SGLangClient:
         return base64.b64encode(MultiprocessingSerializer.serialize(pairs)).decode("ascii")
 
     # ------------------------------------------------------ weight-update groups (NCCL / gloo)
+    async def load_lora_adapter(self, name: str, path: str, *, pinned: bool = False
+                                ) -> dict[str, str]:
+        """``/load_lora_adapter``: serve the peft folder ``path`` (on the server's disk) as
+        ``name``; returns the server's loaded adapters (name -> path)."""
+        out = await self.request("POST", "/load_lora_adapter",
+                                 {"lora_name": name, "lora_path": str(path), "pinned": pinned},
+                                 retries=0)
+        return self._lora_result(out, f"load LoRA adapter {name!r}")
+
+    async def unload_lora_adapter(self, name: str) -> dict[str, str]:
+        """``/unload_lora_adapter``; returns the adapters still loaded."""
+        out = await self.request("POST", "/unload_lora_adapter", {"lora_name": name}, retries=0)
+        return self._lora_result(out, f"unload LoRA adapter {name!r}")
+
+    def _lora_result(self, out: Any, what: str) -> dict[str, str]:
+        if not (isinstance(out, dict) and out.get("success")):
+            raise EngineError(f"{self.url} could not {what}: "
+                              f"{out.get('error_message') if isinstance(out, dict) else out}")
+        loaded = out.get("loaded_adapters") or {}
+        return {str(k): str(v.get("lora_path", v) if isinstance(v, dict) else v)
+                for k, v in loaded.items()}
+
     async def init_weights_update_group(self, *, master_address: str, master_port: int,
                                         rank_offset: int, world_size: int, group_name: str,
                                         backend: str = "nccl", timeout_s: float = 600.0
@@ -426,6 +464,8 @@ class SGLangEngine:
         self.client_kw = client_kw
         self.processes: list[ServerProcess] = []
         self.clients: list[SGLangClient] = []
+        #: the LoRA adapter requests that name none run (set by a LoRA run's weight sync)
+        self.default_lora: str | None = None
         self._target: Any = None
 
     async def __aenter__(self) -> SGLangEngine:
@@ -471,10 +511,23 @@ class SGLangEngine:
         return int(self._engine().weight_version)
 
     async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, *,
-                       request_id: str | None = None, session_id: str | None = None) -> Generation:
+                       request_id: str | None = None, session_id: str | None = None,
+                       lora: str | None = None) -> Generation:
         await self.start()
+        lora = lora if lora is not None else self.default_lora
+        kwargs: dict[str, Any] = {} if lora is None else {"lora": lora}
         return await self._engine().generate(input_ids, sampling, request_id=request_id,  # type: ignore[no-any-return]
-                                             session_id=session_id)
+                                             session_id=session_id, **kwargs)
+
+    async def load_lora_adapter(self, name: str, path: str, *, pinned: bool = False) -> None:
+        """Load the adapter on every server (each must see ``path``)."""
+        await self.start()
+        await asyncio.gather(*(c.load_lora_adapter(name, path, pinned=pinned)
+                               for c in self.clients))
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self.start()
+        await asyncio.gather(*(c.unload_lora_adapter(name) for c in self.clients))
 
     async def update_weights(self, state_dict: Any = None, *, path: str | None = None,
                              version: int | None = None) -> None:

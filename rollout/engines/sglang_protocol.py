@@ -146,7 +146,7 @@ GENERATE_META_INFO_KEYS = frozenset({
     "cached_tokens_details", "e2e_latency", "output_token_logprobs", "input_token_logprobs",
     "output_top_logprobs", "input_top_logprobs", "output_token_ids_logprobs",
     "input_token_ids_logprobs", "hidden_states", "dp_rank", "num_running_reqs",
-    "num_waiting_reqs",
+    "num_waiting_reqs", "routed_experts",
 })
 #: Top-level keys of a non-streaming /generate response (BatchStrOutput branch).
 GENERATE_RESPONSE_KEYS = frozenset({"text", "output_ids", "meta_info"})

@@ -1,8 +1,11 @@
-"""`run_agent_episode`: one `AgentEnv` episode, played by the agent program through the gateway.
+"""`run_agent_episode`: one `ExternalAgentEnv` episode, played by the agent program through the
+gateway.
 
-Same signature and output as `palaestra.rollout.run_episode` (a `Trajectory` with token-exact
-`Sample`s, never an exception), so rollout workers and the evaluation harness play `AgentEnv`s
-like any env: ``run_episode`` sees the env's ``episode_runner`` and dispatches here.
+The runner of ``EpisodeKind.EXTERNAL_AGENT`` in `palaestra.rollout.episode.RUNNERS`: it takes the
+same `EpisodeRequest` and gives the same output as the stepped loop (a `Trajectory` with
+token-exact `Sample`s, never an exception), so rollout workers and the evaluation harness play
+`ExternalAgentEnv`s like any env. The request's player must be a `TokenPlayer`: its agent (the
+tokenizer, family and context length) configures the gateway in front of its engine.
 
 1. The env is reset with the task; a gateway in front of the caller's engine (one per event
    loop, engine and tokenizer, started on first use, see `gateway_for`) opens a session with the
@@ -27,21 +30,26 @@ import contextlib
 import os
 import tempfile
 import uuid
-from collections.abc import Mapping
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from palaestra.rollout.engines.base import Engine, SamplingParams
+from palaestra.engine import TokenGenerator
+from palaestra.episode_info import ResetInfo
+from palaestra.rollout.episode import EpisodeRequest, TokenPlayer, failed_trajectory
 from palaestra.rollout.gateway.gateway import Gateway
 from palaestra.rollout.gateway.server import RunningGateway, serve_gateway
 from palaestra.rollout.gateway.session import STOP_REASONS, Session
 from palaestra.types import StopReason, Trajectory
 
+if TYPE_CHECKING:
+    from palaestra.envs.external_agent import ExternalAgentEnv
+
 CANCEL_GRACE_S = 5.0
 _GATEWAYS: dict[tuple[Any, ...], tuple[asyncio.AbstractEventLoop, asyncio.Task[RunningGateway]]] = {}
 
 
-async def gateway_for(engine: Engine, agent: Any, *, unix_socket: bool = False) -> RunningGateway:
+async def gateway_for(engine: TokenGenerator, agent: Any, *, unix_socket: bool = False
+                      ) -> RunningGateway:
     """The gateway server of this loop for ``engine`` and the agent's tokenizer and family.
 
     Started on first use on 127.0.0.1 (and a Unix socket when ``unix_socket``), then shared by
@@ -58,7 +66,7 @@ async def gateway_for(engine: Engine, agent: Any, *, unix_socket: bool = False) 
     return await asyncio.shield(entry[1])
 
 
-async def _start(engine: Engine, agent: Any, unix_socket: bool) -> RunningGateway:
+async def _start(engine: TokenGenerator, agent: Any, unix_socket: bool) -> RunningGateway:
     gateway = Gateway(engine, agent.tokenizer, agent.renderer, max_context=agent.max_context,
                       enable_thinking=agent.enable_thinking)
     unix_path = None
@@ -79,42 +87,41 @@ async def close_gateways() -> None:
                 await task.result().close()
 
 
-async def run_agent_episode(
-    env: Any,
-    agent: Any,
-    engine: Engine,
-    sampling: SamplingParams,
-    *,
-    seed: int | None = None,
-    task: Mapping[str, Any] | None = None,
-    session_id: str | None = None,
-    max_turns: int | None = None,
-    step_timeout_s: float | None = None,
-    env_id: str = "",
-    group_id: str = "",
-    state: Any = None,
-) -> Trajectory:
-    """Play one `AgentEnv` episode (see the module docstring); never raises on failure.
+async def run_agent_episode(request: EpisodeRequest) -> Trajectory:
+    """Play one `ExternalAgentEnv` episode (see the module docstring); never raises on failure.
 
-    ``agent`` is the palaestra `Agent` the rollout built for the model (its tokenizer, family
-    and context length configure the gateway); ``state`` is accepted for signature parity with
-    `run_episode` (aborted generations are resumed inside the gateway instead).
+    ``request.state`` is not used: aborted generations are resumed inside the gateway instead.
     """
     began = perf_counter()
-    env_id = env_id or _env_id(env)
+    env, env_id, group_id = request.env, request.resolved_env_id, request.group_id
+    max_turns, step_timeout_s = request.max_turns, request.step_timeout_s
+    player = request.player
     try:
-        options = {"task": dict(task)} if task is not None else None
-        _, info = env.reset(seed=seed, options=options)
-        task_row = dict(env.task)
-        task_id = str(info.get("task_id", ""))
+        from palaestra.envs.external_agent import ExternalAgentEnv
+
+        if not isinstance(env, ExternalAgentEnv):  # the runner of EpisodeKind.EXTERNAL_AGENT
+            raise TypeError(f"the external-agent episode plays an ExternalAgentEnv, got "
+                            f"{type(env).__name__}")
+        if not isinstance(player, TokenPlayer):
+            raise TypeError(
+                f"an external agent program needs a token-level engine and agent (a TokenPlayer)"
+                f" to serve it through the gateway, got {type(player).__name__}")
+        agent, engine = player.agent, player.engine
+        _, info = env.reset(seed=request.seed, options=request.reset_options())
+        task_row = dict(env.task or {})  # set by reset
+        task_id = ResetInfo.from_info(info).task_id
         running = await gateway_for(engine, agent, unix_socket=env.uses_sandbox)
+        gateway = running.gateway
+        if gateway is None:
+            raise RuntimeError("the gateway server serves no gateway")
     except Exception as exc:  # noqa: BLE001 - a bad rollout is data, not a crash
-        return _failed(env_id, str((task or {}).get("id", "")), group_id,
-                       f"agent.setup: {type(exc).__name__}: {exc}")
+        return failed_trajectory(request, f"agent.setup: {type(exc).__name__}: {exc}",
+                                 str((request.task or {}).get("id", "")))
+    session_id, sampling = request.session_id, request.sampling
     max_calls = env.max_calls if max_turns is None else min(env.max_calls, max_turns)
     timeouts = [t for t in (env.call_timeout_s, step_timeout_s) if t is not None]
     sid = f"{session_id or 'episode'}-{uuid.uuid4().hex[:12]}".replace("/", "-")
-    session = running.gateway.open_session(
+    session = gateway.open_session(
         sid, sampling=sampling, max_calls=max_calls,
         call_timeout_s=min(timeouts) if timeouts else None, max_context=agent.max_context,
         metadata={"task_id": task_id, "group_id": group_id, "env_id": env_id})
@@ -122,7 +129,7 @@ async def run_agent_episode(
         outcome, stop, error = await _drive(env, running, session, task_row)
     finally:
         with contextlib.suppress(Exception):
-            running.gateway.close_session(sid)
+            gateway.close_session(sid)
     reward = 0.0
     if stop in (StopReason.TERMINATED, StopReason.TRUNCATED):
         try:
@@ -152,7 +159,7 @@ async def run_agent_episode(
     )
 
 
-async def _drive(env: Any, running: RunningGateway, session: Session,
+async def _drive(env: ExternalAgentEnv, running: RunningGateway, session: Session,
                  task: dict[str, Any]) -> tuple[Any, StopReason, str | None]:
     """Run the agent until it returns, fails, times out or its session stops."""
     agent_task = asyncio.ensure_future(_run_agent(env, running, session, task))
@@ -191,7 +198,7 @@ def _limit_error(session: Session) -> str | None:
     return f"{prefix}: {detail}"
 
 
-async def _run_agent(env: Any, running: RunningGateway, session: Session,
+async def _run_agent(env: ExternalAgentEnv, running: RunningGateway, session: Session,
                      task: dict[str, Any]) -> Any:
     if env.command is None:
         return await env.call_agent(running.base_url(session.id), task)
@@ -214,16 +221,6 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
         task.exception()  # retrieved: no "exception was never retrieved" warning
     elif not task.done():
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
-
-
-def _failed(env_id: str, task_id: str, group_id: str, error: str) -> Trajectory:
-    return Trajectory(env_id=env_id, task_id=task_id, messages=(), turns=(), samples=(),
-                      reward=0.0, stop_reason=StopReason.ERROR, error=error, group_id=group_id)
-
-
-def _env_id(env: Any) -> str:
-    spec = getattr(env, "spec", None)
-    return str(getattr(spec, "id", "") or type(env).__name__)
 
 
 __all__ = ["close_gateways", "gateway_for", "run_agent_episode"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import weakref
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -33,7 +34,11 @@ from palaestra.rollout.gateway.validation import BufferConflictError, PostLimits
 from palaestra.rollout.worker import GroupResult
 from palaestra.types import Trajectory
 
-_BUFFERS: dict[str, TrajectoryBuffer] = {}
+# name -> live buffer, for in-process workers that reach a buffer by its name (a worker config
+# travels as data, not as the object). Weak values: a buffer that its run dropped leaves the
+# registry with it, and a later run's buffer of the same name replaces it, so a second run in the
+# process never claims from the first run's buffer.
+_BUFFERS: weakref.WeakValueDictionary[str, TrajectoryBuffer] = weakref.WeakValueDictionary()
 
 
 @dataclass
@@ -98,10 +103,11 @@ class TrajectoryBuffer:
     @staticmethod
     def named(name: str) -> TrajectoryBuffer:
         """The buffer registered under ``name`` in this process."""
-        if name not in _BUFFERS:
+        buffer = _BUFFERS.get(name)
+        if buffer is None:
             raise ConfigError(f"no trajectory buffer named {name!r} in this process; create it "
                               "with TrajectoryBuffer(name=...) or give the buffer server's URL")
-        return _BUFFERS[name]
+        return buffer
 
     # ------------------------------------------------------------------ adding
     @property
@@ -188,7 +194,7 @@ class TrajectoryBuffer:
 
     def take(self, max_groups: int | None = None) -> list[GroupResult]:
         """Complete groups, oldest first (at most ``max_groups``), removed from the buffer."""
-        out = []
+        out: list[GroupResult] = []
         while self._ready and (max_groups is None or len(out) < max_groups):
             gid = self._ready.popleft()
             group = self._groups.pop(gid)

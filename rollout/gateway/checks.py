@@ -42,6 +42,10 @@ class InvalidTrajectoryError(_Listed, TrajectoryValidationError):
     status = 422
 
 
+#: the refusals `Problems.raise_if_any` raises
+ListedError = type[RequestValidationError] | type[InvalidTrajectoryError]
+
+
 class Problems:
     """The problems found in one request, in the order found."""
 
@@ -66,7 +70,7 @@ class Problems:
         tail = f"; and {more} more" if more > 0 else ""
         return f"{head}: " + "; ".join(shown) + tail
 
-    def raise_if_any(self, what: str, error: type[_Listed] = RequestValidationError) -> None:
+    def raise_if_any(self, what: str, error: ListedError = RequestValidationError) -> None:
         """Refuse with every problem at once (``what`` says which request it was)."""
         if self.items:
             raise error(self.message(what), tuple(self.items[:MAX_LISTED]))

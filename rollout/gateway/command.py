@@ -1,4 +1,4 @@
-"""Running an `AgentEnv` command: in the code sandbox, or as a plain subprocess.
+"""Running an `ExternalAgentEnv` command: in the code sandbox, or as a plain subprocess.
 
 The sandbox (`palaestra.sandbox`) blocks every inet socket, loopback included, so a sandboxed
 agent reaches the gateway over a Unix socket: the gateway also listens on one, its folder is
@@ -103,7 +103,7 @@ async def run_in_sandbox(env: Any, *, session_path: str, unix_path: str, task: d
         **env.env_vars,
     }
     files = {f"{SHIM_DIR}/sitecustomize.py": SHIM, "task.json": task_json, **env.files}
-    async with Sandbox(**options) as sandbox:
+    async with Sandbox(**options) as sandbox:  # type: ignore[abstract]  # __new__ picks the backend
         argv = ["env", *(f"{k}={v}" for k, v in variables.items()),
                 *_python(env.command, sandbox.config.python)]
         result = await sandbox.run_command(argv, timeout=timeout_s, files=files)

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from palaestra.errors import ConfigError, EngineError
-from palaestra.rollout.engines.base import EngineUnavailableError
+from palaestra.engine import EngineUnavailableError, TokenGenerator
 
 MODEL_INFO_FIELDS = ("context_length", "max_model_len", "max_context_length", "context_len")
 SERVER_INFO_FIELDS = ("context_length", "max_model_len")
@@ -82,7 +82,7 @@ async def _http_context(client: Any) -> int | None:
     return _from_fields(await get("/get_server_info"), SERVER_INFO_FIELDS)
 
 
-async def engine_context(engine: Any) -> int | None:
+async def engine_context(engine: TokenGenerator) -> int | None:
     """Tokens one sequence may hold on ``engine``, or None when it does not say."""
     members = getattr(engine, "engines", None)
     if isinstance(members, list) and members:  # a Router: the smallest context of its engines

@@ -4,8 +4,8 @@
 ``state_dict`` interface as `palaestra.rollout.DataSource`): every complete group of a
 `TrajectoryBuffer` becomes one task of the env ``palaestra-gateway/External-v0``, optionally
 ahead of the tasks of a regular source (``then=``), so posted groups and generated groups share
-batches. A rollout worker plays that task like any other; the env's ``episode_runner``
-(`run_external_episode`) claims one posted trajectory of the group per episode, in process by
+batches. A rollout worker plays that task like any other; the env's kind
+(``EpisodeKind.POSTED``) has `run_external_episode` for its runner, which claims one posted trajectory of the group per episode, in process by
 the buffer's name or over HTTP (``POST /trajectories/claim``) when the worker runs elsewhere.
 The manager then judges, filters, batches and accounts for these groups exactly as for its own.
 
@@ -21,12 +21,12 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 from palaestra.envs.base import Env, StepResult
-from palaestra.envs.registry import register
+from palaestra.episode_info import EpisodeKind
 from palaestra.errors import ConfigError, TrajectoryValidationError
 from palaestra.rollout.data import DataSource, TaskItem
-from palaestra.rollout.engines.base import Engine, SamplingParams
+from palaestra.rollout.episode import EpisodeRequest, failed_trajectory
 from palaestra.rollout.gateway.buffer import TrajectoryBuffer
-from palaestra.types import Message, StopReason, Trajectory
+from palaestra.types import Message, Trajectory
 
 EXTERNAL_ENV_ID = "palaestra-gateway/External-v0"
 #: what a task row names to reach the external env from any process (make() imports the module)
@@ -36,7 +36,7 @@ EXTERNAL_ENV = f"palaestra.rollout.gateway.external:{EXTERNAL_ENV_ID}"
 class ExternalEnv(Env):
     """Hands out trajectories posted to a `TrajectoryBuffer` (see the module docstring)."""
 
-    episode_runner: ClassVar[str] = "palaestra.rollout.gateway.external:run_external_episode"
+    episode_kind: ClassVar[EpisodeKind] = EpisodeKind.POSTED
     step_in_thread: ClassVar[bool] = False
 
     def __init__(self, buffer: str | None = None, **kwargs: Any) -> None:
@@ -50,7 +50,8 @@ class ExternalEnv(Env):
         raise ConfigError("the external env replays posted trajectories; it cannot be stepped")
 
 
-register(EXTERNAL_ENV_ID, "palaestra.rollout.gateway.external:ExternalEnv")
+#: registered by `palaestra.envs.registry.lookup` when a task names ``EXTERNAL_ENV``
+PALAESTRA_ENVS = {EXTERNAL_ENV_ID: "palaestra.rollout.gateway.external:ExternalEnv"}
 
 
 class BufferSource:
@@ -111,21 +112,14 @@ class BufferSource:
         self.drawn = int(state.get("drawn", 0))
 
 
-async def run_external_episode(
-    env: Any,
-    agent: Any,
-    engine: Engine,
-    sampling: SamplingParams,
-    *,
-    task: Mapping[str, Any] | None = None,
-    group_id: str = "",
-    env_id: str = "",
-    **_: Any,
-) -> Trajectory:
+async def run_external_episode(request: EpisodeRequest) -> Trajectory:
     """One posted trajectory of the task's group, under the rollout's group id; never raises."""
-    task = dict(task or {})
+    task = dict(request.task or {})
+    group_id = request.group_id
     gid = str(task.get("external_group", ""))
-    address = str(task.get("buffer") or env.buffer or "")
+    env = request.env  # the runner of EpisodeKind.POSTED: an ExternalEnv
+    address = str(task.get("buffer") or (env.buffer if isinstance(env, ExternalEnv) else "")
+                  or "")
     try:
         if not gid or not address:
             raise ConfigError("an external task needs 'external_group' and 'buffer'")
@@ -134,9 +128,8 @@ async def run_external_episode(
         else:
             traj = TrajectoryBuffer.named(address).claim(gid)
     except Exception as exc:  # noqa: BLE001 - a bad rollout is data, not a crash
-        return Trajectory(env_id=env_id or EXTERNAL_ENV_ID, task_id=gid, messages=(), turns=(),
-                          samples=(), reward=0.0, stop_reason=StopReason.ERROR,
-                          error=f"external: {type(exc).__name__}: {exc}", group_id=group_id)
+        failed = replace(request, env_id=request.env_id or EXTERNAL_ENV_ID)
+        return failed_trajectory(failed, f"external: {type(exc).__name__}: {exc}", gid)
     samples = tuple(replace(s, group_id=group_id) for s in traj.samples)
     return replace(traj, samples=samples, group_id=group_id, task_id=traj.task_id or gid)
 

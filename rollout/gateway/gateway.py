@@ -23,7 +23,7 @@ from time import perf_counter
 from typing import Any
 
 from palaestra.errors import ConfigError, EngineError
-from palaestra.rollout.engines.base import Engine, Generation, SamplingParams
+from palaestra.engine import Generation, SamplingParams, TokenGenerator
 from palaestra.rollout.gateway.bodies import check_chat_fields
 from palaestra.rollout.gateway.checks import Problems
 from palaestra.rollout.gateway.engine_info import is_context_overflow
@@ -56,7 +56,7 @@ class Gateway:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: TokenGenerator,
         tokenizer: Any,
         family: Any = "qwen",
         *,

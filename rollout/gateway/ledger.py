@@ -1,7 +1,7 @@
 """`SampleLedger`: the exact tokens of one sample that a gateway session records.
 
-A sample is one token sequence the policy saw: the first request's rendered prompt (mask 0), then
-for every call the sampled tokens exactly as the engine returned them (mask 1, with their logprobs
+A sample is one token sequence the policy saw (a `palaestra.agents.TokenTranscript`, as in the
+rollout's `Agent`): the first request's rendered prompt (mask 0), then for every call the sampled tokens exactly as the engine returned them (mask 1, with their logprobs
 and the weight version of each token), and between calls the tokens of the messages the client
 added (mask 0). Next to the tokens the ledger keeps the conversation as the client sent it with
 the replies the gateway returned, and which positions hold those replies, so that the next request
@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from palaestra.agents.transcript import TokenTranscript
 from palaestra.types import Message, Sample, StopReason, Turn
 
 
@@ -31,20 +32,25 @@ class CallRecord:
 
 @dataclass
 class SampleLedger:
-    """Tokens, loss mask, logprobs and versions of one sample, plus its conversation."""
+    """The `TokenTranscript` of one sample, plus its conversation and calls."""
 
     index: int
     tools: list[dict[str, Any]]
     tools_key: str
-    ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    prompt_len: int = 0
+    tokens: TokenTranscript = field(default_factory=TokenTranscript)
     conversation: list[Message] = field(default_factory=list)
     replies_at: set[int] = field(default_factory=set)  # positions of gateway replies
     calls: list[CallRecord] = field(default_factory=list)
     closed: bool = True  # the last sampled turn ended with a stop token
+
+    @property
+    def ids(self) -> list[int]:
+        """The sample's token ids so far (read them, append through ``tokens``)."""
+        return self.tokens.ids
+
+    @property
+    def prompt_len(self) -> int:
+        return self.tokens.prompt_len
 
     @property
     def awaiting(self) -> bool:
@@ -53,28 +59,13 @@ class SampleLedger:
 
     @property
     def num_sampled(self) -> int:
-        return sum(self.mask)
-
-    def extend_context(self, ids: Sequence[int]) -> None:
-        """Tokens the policy did not sample (prompt, tool results, user turns): mask 0."""
-        self.ids.extend(ids)
-        self.mask.extend([0] * len(ids))
-        self.logprobs.extend([0.0] * len(ids))
-        self.versions.extend([-1] * len(ids))
-
-    def extend_sampled(
-        self, ids: Sequence[int], logprobs: Sequence[float], versions: Sequence[int]
-    ) -> None:
-        """Tokens exactly as the engine sampled them: mask 1."""
-        self.ids.extend(ids)
-        self.mask.extend([1] * len(ids))
-        self.logprobs.extend(float(x) for x in logprobs)
-        self.versions.extend(int(v) for v in versions)
+        return self.tokens.num_sampled
 
     def add_reply(self, record: CallRecord, stop_token_ids: Sequence[int]) -> None:
         self.replies_at.add(len(self.conversation))
         self.conversation.append(record.reply)
         self.calls.append(record)
+        self.tokens.turn_ends.append(record.end)
         turn = self.ids[record.start : record.end]
         self.closed = bool(turn) and turn[-1] in stop_token_ids
 
@@ -91,20 +82,9 @@ class SampleLedger:
         """The training sample; the final reward goes on the last turn (per-turn rewards)."""
         turns = len(self.calls)
         turn_rewards = tuple([0.0] * (turns - 1) + [float(reward)]) if turns else ()
-        return Sample(
-            token_ids_T=tuple(self.ids),
-            loss_mask_T=tuple(self.mask),
-            logprobs_T=tuple(self.logprobs),
-            versions_T=tuple(self.versions),
-            prompt_len=self.prompt_len,
-            reward=float(reward),
-            turn_rewards=turn_rewards,
-            stop_reason=stop_reason,
-            env_id=env_id,
-            task_id=task_id,
-            group_id=group_id,
-            metrics=dict(metrics or {}),
-            turn_ends=tuple(c.end for c in self.calls),
+        return self.tokens.to_sample(
+            reward=reward, turn_rewards=turn_rewards, stop_reason=stop_reason, env_id=env_id,
+            task_id=task_id, group_id=group_id, metrics=metrics,
         )
 
     def turns(self) -> list[tuple[int, Turn]]:

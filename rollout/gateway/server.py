@@ -50,6 +50,7 @@ from palaestra.types import StopReason
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from palaestra.engine import TokenGenerator
     from palaestra.rollout.gateway.buffer import TrajectoryBuffer
 
 SESSION_HEADER = "X-Palaestra-Session"
@@ -132,11 +133,12 @@ def _auth_middleware(keys: GatewayKeys) -> Any:
     return auth
 
 
-async def engine_health(engine: Any, timeout_s: float = HEALTH_TIMEOUT_S
+async def engine_health(engine: TokenGenerator, timeout_s: float = HEALTH_TIMEOUT_S
                         ) -> tuple[bool, list[dict[str, Any]]]:
     """Whether any engine behind the gateway is healthy, and the state of each."""
     try:
-        ok = bool(await asyncio.wait_for(engine.health(), timeout_s))
+        health = getattr(engine, "health", None)  # a worker's gate over its engine has none
+        ok = health is not None and bool(await asyncio.wait_for(health(), timeout_s))
     except Exception:  # noqa: BLE001 - a health probe that fails or times out is a no
         ok = False
     from palaestra.rollout.engines.router import Router
@@ -378,7 +380,7 @@ async def serve_gateway(
     site = web.TCPSite(runner, host, port)
     await site.start()
     server = site._server  # aiohttp keeps the bound sockets there
-    sockets = server.sockets if server is not None else []  # type: ignore[union-attr]
+    sockets = getattr(server, "sockets", None) or []
     bound = sockets[0].getsockname()[1] if sockets else port
     if unix_path is not None:
         if os.path.exists(unix_path):

@@ -183,18 +183,17 @@ class Session:
                 self.break_reasons.append("; ".join(plan.reasons) or "no sample to continue")
             ledger = SampleLedger(len(self.samples), [dict(t) for t in tools],
                                   self.chat.tools_key(tools))
-            ledger.extend_context(plan.context_ids)
-            ledger.prompt_len = len(plan.context_ids)
+            ledger.tokens.append_prompt(plan.context_ids)
             self.samples.append(ledger)
         else:
             if ledger.calls:
                 ledger.calls[-1].observation = plan.new_messages
-            ledger.extend_context(plan.context_ids)
+            ledger.tokens.append_context(plan.context_ids)
             self.counters[f"{plan.kind}_continuations"] += 1
         ledger.conversation = list(plan.messages)
         ledger.replies_at = set(plan.replies_at)
         start = len(ledger.ids)
-        ledger.extend_sampled(sampled, logprobs, versions)
+        ledger.tokens.append_sampled(sampled, logprobs, versions)
         record = CallRecord(self.calls, reply, start, len(ledger.ids), plan.kind)
         ledger.add_reply(record, self.chat.stop_token_ids)
         self.calls += 1

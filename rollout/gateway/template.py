@@ -1,10 +1,10 @@
 """`ChatTokens`: everything the gateway does with text, for one tokenizer and model family.
 
-The gateway renders whole conversations with the model's chat template (the agents' `Renderer`),
-tokenizes them, decodes sampled tokens and parses them with the family's parser, exactly as
-`palaestra.agents.Agent` does. `tail_ids` gives the tokens that follow a sampled assistant turn
-when a conversation is extended, cut at the turn-end special token: special tokens are split off
-before anything else, so tokenizing from there equals the full tokenization (see `tail_ids`).
+Rendering, tokenization, the template's turn marks and stop tokens and the token delta after a
+sampled turn are `palaestra.agents.templating.ChatTemplate`, the code `palaestra.agents.Agent`
+uses: the gateway and the rollout's own loop give the same ids for the same conversation. What is
+the gateway's own is answering in the OpenAI wire format (`reply`) and comparing the assistant
+messages a client sends back with the replies it was given (`same_reply`).
 """
 
 from __future__ import annotations
@@ -13,17 +13,14 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from palaestra.agents.agent import Agent, TurnMarks
 from palaestra.agents.parsing import split_reasoning
-from palaestra.agents.renderers import Renderer, get_renderer
+from palaestra.agents.renderers import Renderer
+from palaestra.agents.templating import ChatTemplate, TemplateDeltaError
 from palaestra.types import Message
 
-_BASE_USER = "PALAESTRA-GATEWAY-BASE-USER"
-_BASE_ASSISTANT = "PALAESTRA-GATEWAY-BASE-ASSISTANT"
 
-
-class ChatTokens:
-    """Chat-template rendering, tokenization and output parsing of one model family."""
+class ChatTokens(ChatTemplate):
+    """The chat template of one model family, plus the gateway's reply format."""
 
     def __init__(
         self,
@@ -32,51 +29,15 @@ class ChatTokens:
         *,
         enable_thinking: bool | None = None,
     ) -> None:
-        self.tokenizer = tokenizer
-        self.renderer = get_renderer(renderer)
-        self.enable_thinking = enable_thinking
-        # The agent probes the template's turn delimiters and the stop tokens of the family.
-        probe = Agent(tokenizer, self.renderer, max_context=1 << 30)
-        self.marks: TurnMarks = probe.marks
-        self.stop_token_ids: tuple[int, ...] = probe.stop_token_ids
+        super().__init__(tokenizer, renderer, enable_thinking=enable_thinking)
+        _ = self.stop_token_ids  # probes the marks: a template without turns fails at start
         self.vocab_size = len(tokenizer)
-
-    # ------------------------------------------------------------------ text <-> ids
-    def render(
-        self,
-        messages: Sequence[Message],
-        tools: Sequence[Mapping[str, Any]],
-        *,
-        add_generation_prompt: bool,
-    ) -> str:
-        return self.renderer.render(
-            self.tokenizer,
-            messages,
-            tools=tools,
-            add_generation_prompt=add_generation_prompt,
-            enable_thinking=self.enable_thinking,
-        )
-
-    def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(
-            self.tokenizer.decode(
-                list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
-            )
-        )
-
-    def prompt_ids(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Token ids of the full conversation with the generation prompt."""
-        return self.encode(self.render(messages, tools, add_generation_prompt=True))
 
     def tools_key(self, tools: Sequence[Mapping[str, Any]]) -> str:
         """What of a request's tools the model sees: their schemas when the template renders
         them, nothing otherwise (then changing tools does not change the prompt)."""
         return tools_key(tools) if self.renderer.tools_in_template else ""
 
-    # ------------------------------------------------------------------ extending a sample
     def tail_ids(
         self,
         conversation: Sequence[Message],
@@ -85,56 +46,12 @@ class ChatTokens:
         *,
         closed: bool,
     ) -> list[int] | None:
-        """Ids that follow the last sampled assistant turn of ``conversation`` when ``new``
-        messages and the generation prompt are added; None when the template cannot say.
-
-        ``closed``: the sampled turn ended with the turn-end token (else the template's closing
-        text is part of the tail). The conversation is rendered without and with the new
-        messages; when the first is a prefix of the second (an append-only template) the tail is
-        the text after the turn's closing. Templates that rewrite earlier turns once a message is
-        added (Qwen3 drops the reasoning of turns before the last user query) fail that test; the
-        new messages are then rendered after a fixed ``[system?, user, assistant]`` stand-in and
-        cut after the stand-in assistant's closing.
-        """
-        from jinja2 import TemplateError
-
-        close = self.marks.close_text
+        """`ChatTemplate.delta` of ``new`` after the sampled turn; None when the template
+        cannot say (the request then starts a new sample)."""
         try:
-            before = self.render(conversation, tools, add_generation_prompt=False)
-            after = self.render([*conversation, *new], tools, add_generation_prompt=True)
-        except TemplateError:
-            before = after = ""
-        if after and after.startswith(before) and before.endswith(close):
-            ids = self._after_close(after, len(before) - len(close), closed)
-            if ids is not None:
-                return ids
-        lead = list(conversation[:1]) if conversation and conversation[0].role == "system" else []
-        base = [*lead, Message("user", _BASE_USER), Message("assistant", _BASE_ASSISTANT)]
-        try:
-            after = self.render([*base, *new], tools, add_generation_prompt=True)
-        except TemplateError:
+            return self.delta(conversation, new, tools, closed=closed).ids
+        except TemplateDeltaError:
             return None
-        at = after.find(_BASE_ASSISTANT)
-        return self._after_close(after, at + len(_BASE_ASSISTANT) if at >= 0 else -1, closed)
-
-    def _after_close(self, text: str, close_at: int, closed: bool) -> list[int] | None:
-        """Ids of ``text`` after a sampled turn whose closing text starts at ``close_at``.
-
-        When the model sampled the turn-end token, the tail starts after it; otherwise the whole
-        closing text is part of the tail. None when the closing is not there or the cut is not a
-        token boundary.
-        """
-        marks = self.marks
-        if close_at < 0 or not text.startswith(marks.close_text, close_at):
-            return None
-        sampled_end = marks.end_text if closed and marks.end_text else ""
-        cut = close_at + len(sampled_end)
-        start = close_at if marks.end_text else 0
-        head = self.encode(text[start:cut])
-        full = self.encode(text[start:])
-        if full[: len(head)] != head:
-            return None
-        return full[len(head) :]
 
     # ------------------------------------------------------------------ parsing a reply
     def reply(self, turn_ids: Sequence[int], call_index: int, *, parse_tools: bool = True
@@ -147,7 +64,7 @@ class ChatTokens:
         (Search-R1, python blocks) answer with the text, as does ``parse_tools=False``
         (``tool_choice: "none"``).
         """
-        closed = bool(turn_ids) and turn_ids[-1] in self.stop_token_ids
+        closed = self.closes_turn(turn_ids)
         text = self.decode(turn_ids[:-1] if closed else turn_ids)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if not (parse_tools and self.renderer.tool_calls_in_template):

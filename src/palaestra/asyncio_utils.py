@@ -12,6 +12,9 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# Process-wide on purpose: its threads keep nothing between calls (each call is an
+# ``asyncio.run`` on a fresh loop that is closed when the call returns), so a second run in the
+# process reuses them and cannot see anything of the first.
 _THREAD_POOL: concurrent.futures.ThreadPoolExecutor | None = None
 
 

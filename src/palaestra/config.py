@@ -10,6 +10,11 @@ Checks that span fields (or look at files) run in a model validator that raises 
 with one `Problem` each. Pydantic runs such a validator only once every field is valid, so
 `validate` validates again without the invalid fields (their defaults stand in) to report those
 problems in the same error, leaving out the ones that involve an invalid field.
+
+A section whose ``kind`` selects its settings is a tagged union of section models (pydantic's
+discriminated union; `union_variants` reads one): errors name the fields without the tag
+(``engine.weight_sync.dir``), an unknown field says which kind has it, and `describe_fields`
+lists every variant's fields with the kinds that read them.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import copy
 import difflib
 import json
 import sys
+import types
+import typing
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union
 
 import pydantic
 
@@ -131,12 +138,12 @@ def validate(model: type[C], data: Mapping[str, Any], source: str = "config",
 
     ``context`` reaches the model validators (pydantic's validation context).
     """
-    data = copy.deepcopy(dict(data))
+    work: dict[str, Any] = copy.deepcopy(dict(data))  # fields found invalid are dropped from it
     lines: list[str] = []
     invalid: list[str] = []
     for _ in range(4):  # each pass drops the fields found invalid, so the checks across fields run
         try:
-            result = model.model_validate(data, context=dict(context or {}))
+            result = model.model_validate(work, context=dict(context or {}))
         except pydantic.ValidationError as exc:
             dropped = False
             for err in exc.errors():
@@ -145,10 +152,11 @@ def validate(model: type[C], data: Mapping[str, Any], source: str = "config",
                     lines += [p.message for p in cause.problems
                               if not any(_overlaps(f, bad) for f in p.fields for bad in invalid)]
                     continue
-                where = ".".join(str(p) for p in err["loc"])
+                shown, _ = _walk(model, err["loc"])  # the dotted path, without union tags
+                where = ".".join(shown)
                 lines.append(_describe_error(model, err, where))
                 invalid.append(where)
-                dropped |= _drop(data, err["loc"])
+                dropped |= _drop(work, shown)
             if not dropped:
                 break
         else:
@@ -169,17 +177,23 @@ def problems_error(messages: Sequence[str], source: str = "config") -> ConfigErr
 def _describe_error(model: type[pydantic.BaseModel], err: Any, where: str) -> str:
     got = err.get("input")
     shown = "" if isinstance(got, dict) else f" = {json.dumps(got, default=str)[:60]}"
+    loc = tuple(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
         *parents, leaf = where.split(".")
-        close = difflib.get_close_matches(str(leaf), _field_names(model, parents), n=1)
+        close = difflib.get_close_matches(str(leaf), _field_names(model, loc[:-1]), n=1)
         hint = f"; did you mean {'.'.join([*parents, close[0]])}?" if close else ""
-        return f"{where or '(root)'}: unknown field{hint}"
+        return f"{where or '(root)'}: unknown field{hint or _other_kinds(model, loc)}"
+    if err["type"] in ("union_tag_invalid", "union_tag_not_found"):
+        variants = _variants_at(model, loc) or {}
+        kinds = ", ".join(map(repr, variants))
+        if err["type"] == "union_tag_not_found":
+            return f"{where}{shown}: must be a section with kind = one of {kinds}"
+        return f"{where}.kind = {err['ctx']['tag']!r}: must be one of {kinds}"
     bound = _BOUNDS.get(err["type"])
     if bound is not None:
         op, key = bound
-        *parents, leaf = where.split(".")
-        field = _section(model, parents)
-        info = field.model_fields.get(leaf) if field is not None else None
+        field = _section(model, loc[:-1])
+        info = field.model_fields.get(loc[-1]) if field is not None else None
         about = (info.description or "").replace("\n", " ").split(". ")[0] if info else ""
         about = f" ({about.rstrip('.')})" if about else ""
         return f"{where}{shown}: must be {op} {err['ctx'][key]}{about}"
@@ -192,21 +206,86 @@ _BOUNDS = {"greater_than_equal": (">=", "ge"), "greater_than": (">", "gt"),
            "less_than_equal": ("<=", "le"), "less_than": ("<", "lt")}
 
 
-def _field_names(model: type[pydantic.BaseModel], path: Sequence[str]) -> list[str]:
-    """Field names of the section at ``path`` (empty when the path leaves the model tree)."""
-    section = _section(model, path)
+def union_variants(field: Any) -> dict[str, type[pydantic.BaseModel]] | None:
+    """``{tag: section model}`` of a tagged-union field (a `FieldInfo`), None for another field.
+
+    A variant's tag is its ``Tag`` annotation, else the value of its discriminator field
+    (``kind`` unless the field names another)."""
+    annotation = getattr(field, "annotation", None)
+    if typing.get_origin(annotation) not in (Union, types.UnionType):
+        return None
+    discriminator = getattr(field, "discriminator", None)
+    key = discriminator if isinstance(discriminator, str) else "kind"
+    out: dict[str, type[pydantic.BaseModel]] = {}
+    for member in typing.get_args(annotation):
+        tag = None
+        if typing.get_origin(member) is typing.Annotated:
+            member, *meta = typing.get_args(member)
+            tag = next((m.tag for m in meta if isinstance(m, pydantic.Tag)), None)
+        if not (isinstance(member, type) and issubclass(member, pydantic.BaseModel)):
+            return None  # a union of plain values (e.g. ``str | None``)
+        if tag is None:
+            kind = member.model_fields.get(key)
+            values = typing.get_args(kind.annotation) if kind is not None else ()
+            if len(values) != 1:
+                return None
+            tag = str(values[0])
+        out[tag] = member
+    return out
+
+
+def _walk(model: type[pydantic.BaseModel], loc: Sequence[Any]) -> tuple[list[str], Any]:
+    """Follow an error's ``loc`` through the model tree: the dotted parts without the union
+    tags, and where it ends (a section model, a ``{tag: model}`` dict of a union, or None)."""
+    node: Any = model
+    shown: list[str] = []
+    for raw in loc:
+        part = str(raw)
+        if isinstance(node, dict):  # a tagged union: this part is the tag of a variant
+            if part in node:
+                node = node[part]
+                continue
+            node = None
+        shown.append(part)
+        if not (isinstance(node, type) and issubclass(node, pydantic.BaseModel)):
+            node = None
+            continue
+        field = node.model_fields.get(part)
+        variants = union_variants(field) if field is not None else None
+        node = variants if variants is not None else (field.annotation if field else None)
+    return shown, node
+
+
+def _section(model: type[pydantic.BaseModel], loc: Sequence[Any]) -> type[pydantic.BaseModel] | None:
+    """The section model at ``loc`` (tags of unions included; None when it leaves the tree)."""
+    _, node = _walk(model, loc)
+    return node if isinstance(node, type) and issubclass(node, pydantic.BaseModel) else None
+
+
+def _variants_at(model: type[pydantic.BaseModel], loc: Sequence[Any]) -> dict[str, Any] | None:
+    _, node = _walk(model, loc)
+    return node if isinstance(node, dict) else None
+
+
+def _field_names(model: type[pydantic.BaseModel], loc: Sequence[Any]) -> list[str]:
+    """Field names of the section at ``loc`` (empty when the path leaves the model tree)."""
+    section = _section(model, loc)
     return list(section.model_fields) if section is not None else []
 
 
-def _section(model: type[pydantic.BaseModel], path: Sequence[str]) -> type[pydantic.BaseModel] | None:
-    """The section model at ``path`` (None when the path leaves the model tree)."""
-    node: Any = model
-    for part in path:
-        field = node.model_fields.get(part)
-        node = field.annotation if field is not None else None
-        if not (isinstance(node, type) and issubclass(node, pydantic.BaseModel)):
-            return None
-    return node
+def _other_kinds(model: type[pydantic.BaseModel], loc: Sequence[str]) -> str:
+    """For an unknown field of a union's variant: which kinds have it (else "")."""
+    if len(loc) < 2:
+        return ""
+    variants = _variants_at(model, loc[:-2])
+    if not variants or loc[-2] not in variants:
+        return ""
+    owners = [tag for tag, variant in variants.items() if loc[-1] in variant.model_fields]
+    if not owners:
+        return ""
+    shown, _ = _walk(model, loc[:-2])
+    return (f"; it is a setting of {'.'.join(shown)}.kind = {' / '.join(map(repr, owners))}, "
+            f"the {loc[-2]!r} kind never reads it: remove it, or choose that kind")
 
 
 def _drop(data: dict[str, Any], loc: Sequence[Any]) -> bool:
@@ -246,14 +325,46 @@ def save_resolved(config: pydantic.BaseModel, run_dir: str | Path) -> Path:
 
 
 def describe_fields(model: type[pydantic.BaseModel], prefix: str = "") -> Iterator[str]:
-    """One help line per leaf field: ``--section.field (type, default): docstring``."""
+    """One help line per leaf field: ``--section.field (type, default): docstring``.
+
+    A tagged union lists its ``kind`` (the choices and the default), then every field of its
+    variants once, with the kinds that read it."""
     for name, field in model.model_fields.items():
         annotation = field.annotation
         dotted = f"{prefix}{name}"
+        variants = union_variants(field)
+        if variants is not None:
+            yield from _describe_union(field, variants, dotted)
+            continue
         if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
             yield from describe_fields(annotation, prefix=f"{dotted}.")
             continue
-        type_name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
-        default = "" if field.is_required() else f" = {field.get_default(call_default_factory=True)!r}"
-        about = " ".join((field.description or "").split())  # one line per field
-        yield f"--{dotted} ({type_name}{default}): {about}".rstrip(": ")
+        yield _field_line(dotted, field)
+
+
+def _field_line(dotted: str, field: Any, kinds: str = "") -> str:
+    annotation = field.annotation
+    type_name = getattr(annotation, "__name__", str(annotation)).replace("typing.", "")
+    default = "" if field.is_required() else f" = {field.get_default(call_default_factory=True)!r}"
+    about = " ".join((field.description or "").split())  # one line per field
+    return f"--{dotted} ({type_name}{default}){kinds}: {about}".rstrip(": ")
+
+
+def _describe_union(field: Any, variants: Mapping[str, type[pydantic.BaseModel]],
+                    dotted: str) -> Iterator[str]:
+    default = field.get_default(call_default_factory=True)
+    chosen = f" = {default.kind!r}" if hasattr(default, "kind") else ""
+    about = " ".join((field.description or "").split())
+    yield f"--{dotted}.kind (one of {', '.join(map(repr, variants))}{chosen}): {about}".rstrip(": ")
+    readers: dict[str, list[str]] = {}
+    for tag, variant in variants.items():
+        for name in variant.model_fields:
+            if name != "kind":
+                readers.setdefault(name, []).append(tag)
+    for name, tags in readers.items():
+        sub = variants[tags[0]].model_fields[name]
+        if isinstance(sub.annotation, type) and issubclass(sub.annotation, pydantic.BaseModel):
+            yield from describe_fields(sub.annotation, prefix=f"{dotted}.{name}.")
+            continue
+        kinds = "" if len(tags) == len(variants) else f" [kind {' / '.join(tags)}]"
+        yield _field_line(f"{dotted}.{name}", sub, kinds)

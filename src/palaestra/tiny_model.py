@@ -39,7 +39,21 @@ SIZES: dict[str, ModelSize] = {
     "small": ModelSize(256, 768, 4, 4, 2),
     "10m": ModelSize(384, 1024, 6, 6, 2),  # ~10M parameters, for benchmarks
     "qwen3-0.6b": ModelSize(1024, 3072, 28, 16, 8),  # Qwen3-0.6B layer shapes (GPU plumbing runs)
+    "moe-tiny": ModelSize(128, 384, 2, 4, 2),  # Qwen3-MoE: the tiny shape, sparse MLPs (MOE_SIZES)
 }
+
+
+@dataclass(frozen=True)
+class MoESize:
+    """The sparse blocks of a ``moe-*`` size (``Qwen3MoeForCausalLM``)."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+
+
+#: top-2 of 4 experts of width 192: the active MLP width of "tiny" (384), twice its MLP weights
+MOE_SIZES: dict[str, MoESize] = {"moe-tiny": MoESize(4, 2, 192)}
 
 _WORDS = (
     "the a an is are was were be to of and in that have it for not on with he as you do at this "
@@ -112,7 +126,7 @@ def build_model(
     max_position_embeddings: int = 2048,
     seed: int = 0,
 ) -> Path:
-    """Write a random-init Qwen3 model and its tokenizer to ``out_dir``; returns the path."""
+    """Write a random-init Qwen3 (or, for ``moe-*`` sizes, Qwen3-MoE) model and its tokenizer."""
     import torch
     from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
@@ -126,7 +140,19 @@ def build_model(
     tokenizer = build_tokenizer(vocab_size=vocab_size, seed=seed)
     tokenizer.save_pretrained(out)
     padded_vocab = -(-len(tokenizer) // 64) * 64  # multiple of 64, like real checkpoints
-    config = Qwen3Config(
+    # a dense or a MoE Qwen3: two config/model class pairs, the MoE one with its extra fields
+    config_cls: Any = Qwen3Config
+    model_cls: Any = Qwen3ForCausalLM
+    extra: dict[str, Any] = {}
+    if size in MOE_SIZES:
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+        moe = MOE_SIZES[size]
+        config_cls, model_cls = Qwen3MoeConfig, Qwen3MoeForCausalLM
+        extra = {"num_experts": moe.num_experts, "num_experts_per_tok": moe.num_experts_per_tok,
+                 "moe_intermediate_size": moe.moe_intermediate_size, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": [], "router_aux_loss_coef": 0.0}
+    config = config_cls(
         vocab_size=padded_vocab,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -141,9 +167,10 @@ def build_model(
         pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         bos_token_id=None,
         torch_dtype="float32",
+        **extra,
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = model_cls(config)
     model.generation_config = GenerationConfig(
         eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )
@@ -160,5 +187,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     path = build_model(args.out, args.size, vocab_size=args.vocab_size, seed=args.seed)
-    print(f"wrote a {args.size} Qwen3 model and tokenizer to {path}")
+    arch = "Qwen3-MoE" if args.size in MOE_SIZES else "Qwen3"
+    print(f"wrote a {args.size} {arch} model and tokenizer to {path}")
     return 0

@@ -176,9 +176,18 @@ class Sample:
     metrics: Mapping[str, float] = field(default_factory=dict)
     # token index (exclusive end) of each assistant turn, to map per-turn rewards to tokens
     turn_ends: tuple[int, ...] = ()
+    # MoE routing replay: int tensor [tokens, layers, top_k] of the experts the engine chose at
+    # each token (-1: not recorded, dense layers), or None (dense policy, engine without it)
+    routed_experts: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids_T)
+        routes = self.routed_experts
+        if routes is not None and (len(getattr(routes, "shape", ())) != 3 or routes.shape[0] != n):
+            raise TrajectoryValidationError(
+                f"routed_experts must be a [tokens, layers, top_k] array with {n} tokens, got "
+                f"shape {tuple(getattr(routes, 'shape', ()))}"
+            )
         lengths = {
             "loss_mask_T": len(self.loss_mask_T),
             "logprobs_T": len(self.logprobs_T),

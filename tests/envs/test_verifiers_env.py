@@ -140,3 +140,132 @@ def test_an_installed_taskset_by_id(tmp_path, monkeypatch):
     env.reset(options={"task": env.dataset[1]})
     assert env.step("alpha")[1] == 0.0
     env.close()
+
+
+def test_make_verifiers_spelling(tmp_path, monkeypatch):
+    """``make("verifiers:<id>")``: the installed taskset by its id, as `palaestra train` and
+    `palaestra eval` name it in a config; the envs CLI checks it the same way."""
+    from palaestra.envs import make
+    from palaestra.envs.checks import check_env_id
+    from palaestra.errors import ConfigError, PalaestraError
+
+    (tmp_path / "echo_words.py").write_text(TASKSET_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make("verifiers:echo-words")
+    assert type(env) is VerifiersEnv and env.source == "verifiers:echo-words"
+    obs, _ = env.reset(options={"task": env.dataset[2]})
+    assert obs[-1].content == "Repeat exactly: gamma"
+    assert env.step("gamma")[1] == 1.0
+    env.close()
+    report = check_env_id("verifiers:echo-words")
+    assert report.ok, report.failed
+    with pytest.raises(ConfigError, match="verifiers environment id"):
+        make("verifiers:not an id!")
+    with pytest.raises(PalaestraError):  # not installed: verifiers' own loader says which
+        make("verifiers:no-such-taskset-here")
+
+
+TOOLS_MODULE = '''
+"""A verifiers taskset with a Toolset: the model must call `multiply` and answer with its result."""
+import verifiers.v1 as vf
+
+
+class Calc(vf.Toolset[vf.ToolsetConfig, vf.State]):
+    @vf.tool
+    async def multiply(self, a: int, b: int) -> str:
+        """Multiply two integers."""
+        return str(a * b + 1000)  # not the product: only a model that used the tool knows it
+
+    @vf.tool
+    async def divide(self, a: int, b: int) -> str:
+        """Divide two integers."""
+        return str(a / b)
+
+
+class CalcData(vf.TaskData):
+    a: int
+    b: int
+
+
+class CalcTask(vf.Task[CalcData, vf.State, vf.TaskConfig]):
+    @classmethod
+    def toolsets(cls, config):
+        return [Calc(vf.ToolsetConfig())]
+
+    @vf.reward
+    async def used_tool(self, trace) -> float:
+        return float(trace.messages[-1].content.strip() == str(self.data.a * self.data.b + 1000))
+
+
+class CalcTaskset(vf.Taskset[CalcTask, vf.TasksetConfig]):
+    def load(self):
+        for a, b in ((6, 7), (3, 4)):
+            yield CalcTask(CalcData(prompt=f"Use the tool: {a} times {b}?", a=a, b=b),
+                           self.config.task)
+
+
+__all__ = ["CalcTaskset"]
+'''
+
+
+def test_toolset_tasks_are_multi_turn(tmp_path, monkeypatch):
+    """A task with a verifiers `Toolset`: its tool schema offered to the model, calls served by
+    the toolset's own MCP server (a real subprocess on loopback), the rubric on the last turn."""
+    from palaestra.envs import make
+    from palaestra.types import Message, ToolCall
+
+    (tmp_path / "calc_tools.py").write_text(TOOLS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make("verifiers:calc-tools")
+    try:
+        names = [s["function"]["name"] for s in env.tool_schemas()]
+        assert sorted(names) == ["divide", "multiply"]
+        schema = next(s for s in env.tool_schemas() if s["function"]["name"] == "multiply")
+        assert set(schema["function"]["parameters"]["properties"]) == {"a", "b"}
+        assert schema["function"]["description"] == "Multiply two integers."
+        obs, _ = env.reset(options={"task": env.dataset[0]})
+        assert obs[-1].content == "Use the tool: 6 times 7?"
+        call = Message(role="assistant", content="", tool_calls=(
+            ToolCall(id="c1", name="multiply", arguments='{"a": 6, "b": 7}'),))
+        obs, reward, terminated, _, _ = env.step(call)
+        assert not terminated and obs[-1].role == "tool" and obs[-1].content.strip() == "1042"
+        obs, reward, terminated, _, _ = env.step("1042")
+        assert terminated and reward == 1.0
+        env.reset(options={"task": env.dataset[1]})
+        _, reward, terminated, _, _ = env.step("12")  # answered without the tool
+        assert terminated and reward == 0.0
+        env.reset(options={"task": env.dataset[1]})
+        for name, arguments, expected in (("power", "{}", "unknown tool"),
+                                          ("divide", '{"a": 1, "b": 0}', "division by zero")):
+            bad = Message(role="assistant", content="", tool_calls=(
+                ToolCall(id="c2", name=name, arguments=arguments),))
+            obs, _, terminated, _, info = env.step(bad)  # an error observation; the episode goes on
+            assert expected in obs[-1].content and not terminated and info["tool_errors"] == 1
+        assert env.step("12")[1] == 0.0
+    finally:
+        env.close()
+
+
+BROKEN_TOOLS = TOOLS_MODULE.replace("class CalcData", """
+class Broken(vf.Toolset[vf.ToolsetConfig, vf.State]):
+    async def setup(self):
+        raise RuntimeError("the toolset cannot start here")
+
+    @vf.tool
+    async def noop(self) -> str:
+        return ""
+
+
+class CalcData""").replace("return [Calc(vf.ToolsetConfig())]", "return [Broken(vf.ToolsetConfig())]")
+
+
+def test_a_toolset_that_cannot_start_says_why(tmp_path, monkeypatch):
+    from palaestra.envs import make
+    from palaestra.errors import ToolError
+
+    (tmp_path / "broken_tools.py").write_text(BROKEN_TOOLS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    env = make("verifiers:broken-tools", startup_timeout_s=20)
+    with pytest.raises(ToolError, match="cannot start here"):
+        env.tool_schemas()
+    env.close()

@@ -1,4 +1,4 @@
-"""`AgentEnv` episodes through the gateway: an `openai`-client agent as a callable and as a
+"""`ExternalAgentEnv` episodes through the gateway: an `openai`-client agent as a callable and as a
 sandboxed command, scored by its reward function; crashes, hangs, slow calls and call budgets end
 as recorded trajectories and free their sessions."""
 
@@ -13,10 +13,11 @@ import openai
 import pytest
 
 from palaestra.agents import make_agent
-from palaestra.envs.agent_env import AgentEnv
+from palaestra.envs.external_agent import ExternalAgentEnv
 from palaestra.errors import ConfigError
 from palaestra.rollout.engines.base import SamplingParams
-from palaestra.rollout.gateway import close_gateways, gateway_for, run_agent_episode
+from palaestra.rollout.episode import run_episode
+from palaestra.rollout.gateway import close_gateways, gateway_for
 from palaestra.types import StopReason
 
 TASK = {"id": "t1", "question": "What is 2 + 3?", "answer": "5"}
@@ -55,8 +56,8 @@ def length_reward(task, outcome, messages) -> float:
 
 async def test_a_callable_agent_becomes_a_scored_token_exact_trajectory(agent, engine, recording):
     rec = recording(engine)
-    env = AgentEnv(chatty_agent, reward_fn=length_reward)
-    traj = await run_agent_episode(env, agent, rec, SAMPLING, task=TASK, session_id="g1/0",
+    env = ExternalAgentEnv(chatty_agent, reward_fn=length_reward)
+    traj = await run_episode(env, agent, rec, SAMPLING, task=TASK, session_id="g1/0",
                                    env_id="test/Agent-v0", group_id="g1")
     assert traj.stop_reason is StopReason.TERMINATED and traj.error is None
     assert traj.reward == pytest.approx(0.25 + 6 / 100) and len(traj.turns) == 3
@@ -80,8 +81,8 @@ async def test_a_crashing_agent_gives_a_failed_trajectory_and_frees_its_session(
             model="p", messages=[{"role": "user", "content": task["question"]}])
         raise RuntimeError("boom")
 
-    env = AgentEnv(crash, reward_fn=length_reward)
-    traj = await run_agent_episode(env, agent, engine, SAMPLING, task=TASK)
+    env = ExternalAgentEnv(crash, reward_fn=length_reward)
+    traj = await run_episode(env, agent, engine, SAMPLING, task=TASK)
     assert traj.failed and traj.stop_reason is StopReason.ERROR
     assert traj.error == "agent: RuntimeError: boom" and traj.reward == 0.0
     running = await gateway_for(engine, agent)
@@ -100,8 +101,8 @@ async def test_a_hanging_agent_is_cancelled_at_its_timeout(agent, engine):
         finally:
             cancelled.set()
 
-    env = AgentEnv(hang, reward_fn=length_reward, timeout_s=0.3)
-    traj = await run_agent_episode(env, agent, engine, SAMPLING, task=TASK)
+    env = ExternalAgentEnv(hang, reward_fn=length_reward, timeout_s=0.3)
+    traj = await run_episode(env, agent, engine, SAMPLING, task=TASK)
     assert traj.stop_reason is StopReason.TIMEOUT and traj.failed
     assert "did not finish within 0.3 s" in traj.error
     assert cancelled.is_set()
@@ -110,8 +111,8 @@ async def test_a_hanging_agent_is_cancelled_at_its_timeout(agent, engine):
 
 async def test_a_call_that_outlives_its_timeout_fails_the_episode(agent, engine, recording):
     slow = recording(engine, delay_s=5.0)
-    env = AgentEnv(chatty_agent, reward_fn=length_reward, call_timeout_s=0.2)
-    traj = await run_agent_episode(env, agent, slow, SAMPLING, task=TASK)
+    env = ExternalAgentEnv(chatty_agent, reward_fn=length_reward, call_timeout_s=0.2)
+    traj = await run_episode(env, agent, slow, SAMPLING, task=TASK)
     assert traj.stop_reason is StopReason.TIMEOUT
     assert traj.error.startswith("agent: a generation took over 0.2 s")
 
@@ -123,8 +124,8 @@ async def test_the_call_budget_truncates_and_still_scores(agent, engine):
         seen.append(outcome)
         return 0.5
 
-    env = AgentEnv(chatty_agent, reward_fn=reward, max_calls=2)
-    traj = await run_agent_episode(env, agent, engine, SAMPLING, task=TASK)
+    env = ExternalAgentEnv(chatty_agent, reward_fn=reward, max_calls=2)
+    traj = await run_episode(env, agent, engine, SAMPLING, task=TASK)
     assert traj.stop_reason is StopReason.TRUNCATED and not traj.failed
     assert traj.reward == 0.5 and seen == [None] and traj.metrics["calls"] == 2
 
@@ -136,8 +137,8 @@ async def test_a_sync_agent_and_a_bad_reward_value(agent, engine):
             model="p", messages=[{"role": "user", "content": task["question"]}])
         return out.choices[0].message.content
 
-    env = AgentEnv(sync_agent, reward_fn=lambda task, outcome, messages: float("nan"))
-    traj = await run_agent_episode(env, agent, engine, SAMPLING, task=TASK)
+    env = ExternalAgentEnv(sync_agent, reward_fn=lambda task, outcome, messages: float("nan"))
+    traj = await run_episode(env, agent, engine, SAMPLING, task=TASK)
     assert traj.stop_reason is StopReason.ERROR
     assert traj.error.startswith("reward_fn: ValueError: reward_fn returned nan")
     assert len(traj.samples) == 1  # the recorded tokens are kept for inspection
@@ -161,27 +162,27 @@ async def test_a_command_agent_runs_in_the_sandbox_with_the_plain_openai_client(
     def reward(task, outcome, messages):
         return 1.0 if outcome == {"answer": "5", "turns": 5} else 0.0
 
-    env = AgentEnv(command=["python", "agent.py"], files={"agent.py": COMMAND_AGENT},
+    env = ExternalAgentEnv(command=["python", "agent.py"], files={"agent.py": COMMAND_AGENT},
                    reward_fn=reward, timeout_s=60)
-    traj = await run_agent_episode(env, agent, engine, SAMPLING, task=TASK)
+    traj = await run_episode(env, agent, engine, SAMPLING, task=TASK)
     assert traj.error is None, traj.error
     assert traj.reward == 1.0 and traj.metrics["calls"] == 2 and len(traj.samples) == 1
 
 
 async def test_a_crashing_command_reports_its_stderr(agent, engine):
-    env = AgentEnv(command=[sys.executable, "-c", "import sys; sys.exit('no luck')"],
+    env = ExternalAgentEnv(command=[sys.executable, "-c", "import sys; sys.exit('no luck')"],
                    sandbox=False, reward_fn=length_reward)
-    traj = await run_agent_episode(env, agent, engine, SAMPLING, task=TASK)
+    traj = await run_episode(env, agent, engine, SAMPLING, task=TASK)
     assert traj.stop_reason is StopReason.ERROR
     assert traj.error == "agent: AgentCrashError: the agent command exited with 1: no luck"
 
 
 def test_agent_env_config_errors_and_gym_side():
     with pytest.raises(ConfigError, match="exactly one of agent"):
-        AgentEnv(reward_fn=length_reward)
+        ExternalAgentEnv(reward_fn=length_reward)
     with pytest.raises(ConfigError, match="timeout_s must be > 0"):
-        AgentEnv(chatty_agent, reward_fn=length_reward, timeout_s=0)
-    env = AgentEnv("tests.nowhere:agent", reward_fn=length_reward, tools=[{"type": "function"}],
+        ExternalAgentEnv(chatty_agent, reward_fn=length_reward, timeout_s=0)
+    env = ExternalAgentEnv("tests.nowhere:agent", reward_fn=length_reward, tools=[{"type": "function"}],
                    task_fn=lambda seed: {"id": f"s{seed % 7}", "question": "?"})
     assert env.tool_schemas() == [{"type": "function"}]
     drawn, _ = env.reset(seed=3)

@@ -11,7 +11,7 @@ HEAVY = ("torch", "transformers", "ray", "aiohttp", "openai")
 
 def test_gateway_package_and_command_are_light():
     probe = ("import palaestra.rollout.gateway, palaestra.rollout.gateway.cli, "
-             "palaestra.envs.agent_env, sys; print(','.join(sys.modules))")
+             "palaestra.envs.external_agent, sys; print(','.join(sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     loaded = set(out.stdout.strip().split(","))
     assert {h for h in HEAVY if h in loaded} == set()

@@ -1,6 +1,7 @@
-"""`AgentEnv` episodes and posted trajectories through the real rollout stack (`RolloutManager`
-with in-process workers and a real `LocalEngine`) and through the evaluation harness: `run_episode`
-hands envs with an ``episode_runner`` to it, so workers and the harness need nothing special."""
+"""`ExternalAgentEnv` episodes and posted trajectories through the real rollout stack
+(`RolloutManager` with in-process workers and a real `LocalEngine`) and through the evaluation
+harness: `run_episode` hands each env to the runner of its ``episode_kind``, so workers and the
+harness need nothing special."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def odd_length_reward(task, outcome, messages) -> float:
     return float(len(outcome or "") % 2)
 
 
-register(ENV_ID, "palaestra.envs.agent_env:AgentEnv", agent=two_call_agent,
+register(ENV_ID, "palaestra.envs.external_agent:ExternalAgentEnv", agent=two_call_agent,
          reward_fn=odd_length_reward, timeout_s=120)
 
 

@@ -15,7 +15,7 @@ def test_public_names():
     assert {
         "run_episode", "EpisodeState", "DataSource", "RolloutManager", "RolloutBatch",
         "RolloutConfig", "WorkerConfig", "EngineSpec", "WorkerPool", "RolloutWorker",
-        "ToolCache", "balance_by_tokens", "micro_batches", "collate", "plan_placement",
+        "ToolCache", "plan_placement",
         "nonzero_variance",
     } <= set(rollout.__all__)
     for name in rollout.__all__:

@@ -80,7 +80,7 @@ async def test_replay_answers_from_the_file(tokenizer_dir, tmp_path):
     env = ToolCache(path, "record").attach(make("palaestra/Calculator-v0"), "calc")
     traj = await run_episode(env, make_agent(tokenizer_dir), engine, SamplingParams(), task=TASK)
     assert traj.turns[0].observation[0].content == "45"
-    env.call_tool.__self__.cache.close()
+    env.unwrapped.tool_runner.cache.close()
     entry = json.loads(path.read_text())
     assert entry["task_id"] == "c1" and entry["name"] == "calculator"
     path.write_text(json.dumps({**entry, "content": "46"}) + "\n")  # tamper with the recording

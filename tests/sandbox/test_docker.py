@@ -71,3 +71,13 @@ async def test_image_build_is_cached() -> None:
 
     tag = await asyncio.to_thread(build_image, log=False)  # up to date: no rebuild
     assert tag == "palaestra-sandbox:py3"
+
+
+async def test_docker_sessions_refuse_to_fork_and_say_why(sb: Sandbox) -> None:
+    from palaestra.sandbox.errors import SandboxError
+
+    async with sb.session(persistent_python=True) as s:
+        assert (await s.run("x = 1")).ok
+        with pytest.raises(SandboxError, match="cannot fork sessions.*backend='local'"):
+            await s.fork()
+        assert (await s.run("print(x)")).stdout == "1\n"  # the session is unharmed

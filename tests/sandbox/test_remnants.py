@@ -146,13 +146,16 @@ def test_the_pipe_transport_moves_payloads_without_the_zygote_reading_them(tmp_p
     import subprocess
     import sys
 
-    from palaestra.sandbox._agent import FrameReader, _Bounce, pack
     from palaestra.sandbox.base import RunSpec
-    from palaestra.sandbox.zygote import agent_source, cell_frame, run_frame
+    from palaestra.sandbox.config import SandboxConfig
+    from palaestra.sandbox.inner.framing import FrameReader, pack
+    from palaestra.sandbox.inner.payload import _Bounce
+    from palaestra.sandbox.requests import ZygoteRequests
+    from palaestra.sandbox.shipping import runtime_argv
 
-    proc = subprocess.Popen([sys.executable, "-I", "-B", "-S", "-c", agent_source(),
-                             json.dumps({"stdio": True})],
+    proc = subprocess.Popen(runtime_argv(sys.executable, {"stdio": True}),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    requests = ZygoteRequests(SandboxConfig(), count_processes=False)
     reader = FrameReader(1 << 31)
     pending: list = []
 
@@ -167,13 +170,13 @@ def test_the_pipe_transport_moves_payloads_without_the_zygote_reading_them(tmp_p
     try:
         ready, _ = ask({"op": "init", "opts": {"max_output": 100_000, "landlock": False}}, [b""])
         assert ready["op"] == "ready"
-        lim = {"cpu": 5, "as": 1 << 30, "fsize": 1 << 26, "nofile": 64, "nproc": None}
-        where = {"workdir": str(tmp_path), "create_workdir": False, "uid": None, "limits": lim}
+        where = {"workdir": str(tmp_path), "uid": None}
         big = os.urandom(3 << 20)  # larger than a pipe: several splices
         code = ("import sys; d = sys.stdin.buffer.read(); f = open('f.bin', 'rb').read()\n"
                 "print(len(d), d == f); sys.stdout.write('x' * 200_000)")
-        done, out = ask(*run_frame(RunSpec("python", code, (), 5.0, big, (("f.bin", big),)),
-                                   id=1, **where))
+        header, blobs = requests.run(RunSpec("python", code, (), 5.0, big, (("f.bin", big),)),
+                                     create_workdir=False, **where)
+        done, out = ask(dict(header, id=1), blobs)
         assert out[0].startswith(b"3145728 True\n") and len(out[0]) == 100_000, done
         assert done["out_size"] == 200_000 + 13  # the full size; the capped bytes came back
         assert ask({"op": "write_file", "root": str(tmp_path), "path": "w.txt", "id": 2},
@@ -183,7 +186,8 @@ def test_the_pipe_transport_moves_payloads_without_the_zygote_reading_them(tmp_p
         assert reply["op"] == "ok" and blobs[0] == big
         cell = RunSpec("python", "import sys; print(open('w.txt').read(), sys.stdin.read())",
                        (), 5.0, b"in", ())
-        done, out = ask(*cell_frame(cell, session="s1", had_kernel=False, id=4, **where))
+        header, blobs = requests.cell(cell, session="s1", had_kernel=False, **where)
+        done, out = ask(dict(header, id=4), blobs)
         assert out[0] == b"hello in\n", done
     finally:
         proc.kill()

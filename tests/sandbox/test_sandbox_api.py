@@ -28,8 +28,8 @@ from palaestra.sandbox import (
 
 def test_public_names() -> None:
     for name in ("Sandbox", "LocalSandbox", "DockerSandbox", "ExecResult", "SandboxConfig",
-                 "SandboxSession", "ExecLimiter", "probe_isolation", "judge_io",
-                 "judge_function", "IOCase", "JudgeResult", "SandboxError", "SandboxFileError",
+                 "SandboxSession", "ExecLimiter", "probe_isolation", "judge_run",
+                 "SandboxError", "SandboxFileError",
                  "IsolationUnavailableError"):
         assert name in sandbox.__all__ and getattr(sandbox, name) is not None
     with pytest.raises(AttributeError):

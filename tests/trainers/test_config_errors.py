@@ -67,9 +67,9 @@ def test_out_of_range_values_are_refused(tmp_path, args, expected):
 
 def test_every_problem_in_one_message(tmp_path):
     text = _refused(tmp_path, "--rollout.batch_size", "0", "--checkpoint.interval", "0",
-                    "--env.id", "palaestra/Calculater-v0", "--trainer.loss.preset", "ppo")
+                    "--env.id", "palaestra/Calculater-v0", "--trainer.torch.critic", "true")
     assert "4 problem(s)" in text
-    for field in ("rollout.batch_size", "checkpoint.interval", "env.id", "advantage_estimator"):
+    for field in ("rollout.batch_size", "checkpoint.interval", "env.id", "trainer.torch.critic"):
         assert field in text
 
 
@@ -202,9 +202,17 @@ def test_group_size_one_with_a_group_baseline(tmp_path):
     assert proc.returncode == 0, proc.stderr  # a batch baseline works with groups of one
 
 
-def test_ppo_needs_a_critic(tmp_path):
-    text = _refused(tmp_path, "--trainer.loss.preset", "ppo")
-    assert "need a critic" in text and "does not train yet" in text and "grpo" in text
+def test_ppo_trains_a_critic_and_its_settings_are_checked(tmp_path):
+    proc = _train(tmp_path, "--trainer.loss.preset", "ppo")
+    assert proc.returncode == 0, proc.stderr
+    assert "critic: value model from the RL phase's initial policy" in proc.stdout
+    text = _refused(tmp_path, "--trainer.loss.preset", "ppo", "--critic.torch",
+                    '{"lr_schedule": "sideways"}')
+    assert "critic.torch" in text and "lr_schedule" in text
+    text = _refused(tmp_path, "--trainer.mini_batch_size", "16")
+    assert "trainer.mini_batch_size splits PPO's epochs" in text
+    text = _refused(tmp_path, "--trainer.loss.preset", "ppo", "--trainer.loss.value_clip", "0.1")
+    assert "critic.value_clip" in text
 
 
 def test_kl_needs_a_reference_model(tmp_path):
@@ -214,14 +222,19 @@ def test_kl_needs_a_reference_model(tmp_path):
     proc = _train(tmp_path, "--trainer.loss.kl_coef", "0.01", "--trainer.torch.ref_model", "true")
     assert proc.returncode == 0, proc.stderr
     text = _refused(tmp_path, "--trainer.loss.kl_coef", "0.01", "--trainer.loss.kl_mode",
-                    "reward", "--trainer.torch.ref_model", "true")
-    assert "kl_mode = 'reward'" in text
+                    "reward")
+    assert "kl_coef = 0.01 (in the reward) needs a reference model" in text
+    proc = _train(tmp_path, "--trainer.loss.kl_coef", "0.01", "--trainer.loss.kl_mode",
+                  "reward", "--trainer.torch.ref_model", "true")
+    assert proc.returncode == 0, proc.stderr  # reference logprobs come before the advantages
 
 
 def test_offline_objectives_and_critics_in_an_rl_run(tmp_path):
     assert "trains offline" in _refused(tmp_path, "--trainer.loss.preset", "sft")
-    text = _refused(tmp_path, "--trainer.torch.critic", "true")
-    assert "trains a value model in place of the policy" in text
+    for preset in ("grpo", "ppo"):  # PPO's critic is [critic], never the policy backend
+        text = _refused(tmp_path, "--trainer.torch.critic", "true", "--trainer.loss.preset",
+                        preset)
+        assert "would turn the policy into a value model" in text
 
 
 def test_data_that_runs_out_before_the_last_step(tmp_path):

@@ -47,11 +47,13 @@ def test_recipe_config_loads(name: str) -> None:
     assert cfg.env.id in {v[0] for v in SCRIPTS.values()}
 
 
-def test_ppo_recipe_is_refused_until_the_loop_trains_a_critic() -> None:
-    with pytest.raises(ConfigError) as info:
-        load_config(TrainConfig, REPO / "configs" / "search_r1_ppo.toml")
-    text = str(info.value)
-    assert "1 problem(s)" in text and "need a critic" in text and "grpo" in text
+def test_ppo_recipe_plans_its_critic() -> None:
+    cfg = load_config(TrainConfig, REPO / "configs" / "search_r1_ppo.toml")
+    assert cfg.trainer.loss.needs_values and not cfg.trainer.torch.critic
+    plan = describe_plan(cfg, {})
+    assert "critic: value model from the RL phase's initial policy with a fresh value head, " \
+        "backend torch" in plan
+    assert "1 epoch(s) over mini-batches of 64 samples" in plan
 
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
@@ -85,13 +87,13 @@ def test_script_overrides_reach_the_config() -> None:
     assert "disaggregated, 6 GPUs" in proc.stdout
 
 
-def test_script_ppo_variant_is_refused_before_anything_starts() -> None:
+def test_script_ppo_variant_plans_the_critic() -> None:
     proc = subprocess.run(
         ["bash", str(REPO / "scripts" / "run_search_r1.sh"), "--dry-run"],
         cwd=REPO, env=_clean_env(PALAESTRA_ALGO="ppo"),
         capture_output=True, text=True, timeout=60, check=False)
-    assert proc.returncode == 2 and "need a critic" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert "critic: value model from" in proc.stdout and "Traceback" not in proc.stderr
 
 
 def test_script_megatron_backend_is_passed_through() -> None:

@@ -288,9 +288,7 @@ def test_grpo_against_a_separate_server_process(tmp_path, micro_model, yes_env, 
         asyncio.run(server.wait_ready(120))
         body = _grpo_on_long_env(tmp_path, micro_model, steps=2, engine=f'''kind = "sglang"
 urls = ["{server.url}"]
-weight_sync = "{method}"
-sync_backend = "gloo"
-sync_bucket_mb = 1''', extra=f'''[warmup]
+weight_sync = {{ kind = "{method}", bucket_mb = 1{', backend = "gloo"' if method == "distributed" else ""} }}''', extra=f'''[warmup]
 steps = 2
 batch_size = 4
 demonstrations = "{demos}"
@@ -334,8 +332,7 @@ def test_the_run_launches_its_own_server_and_stops_it(tmp_path, micro_model, yes
     body = _grpo_on_long_env(tmp_path, micro_model, steps=2, engine='''kind = "sglang"
 launch = "palaestra"
 launch_args = ["--threads", "1"]
-weight_sync = "distributed"
-sync_backend = "gloo"''')
+weight_sync = { kind = "distributed", backend = "gloo" }''')
     overrides = ["--rollout.batch_size", "4", "--rollout.group_size", "2", "--eval.num_tasks", "4"]
     train(load_config(TrainConfig, _write_config(tmp_path, body), overrides))
     run = tmp_path / "run"

@@ -89,8 +89,8 @@ def test_disaggregated_trainer_and_server_over_nccl(tmp_path):
         asyncio.run(server.wait_ready(300))
         cfg = load_config(TrainConfig, ROOT / "configs" / "quickstart.toml", [
             "--out", str(run), *SHORT, "--engine.kind", "sglang", "--engine.urls",
-            f'["{server.url}"]', "--engine.weight_sync", "distributed",
-            "--engine.sync_backend", "nccl", "--engine.sync_timeout_s", "120"])
+            f'["{server.url}"]', "--engine.weight_sync.kind", "distributed",
+            "--engine.weight_sync.backend", "nccl", "--engine.weight_sync.timeout_s", "120"])
         train(cfg)
         rl = _rl_records(run)
         assert [r["version"] for r in rl] == [0, 1, 2]

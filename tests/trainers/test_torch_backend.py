@@ -325,7 +325,9 @@ def test_public_api_is_pinned():
         "forward_logprobs_with_entropy": "(self, batch: 'TrainBatch', *, ref: 'bool' = False)"
                                          " -> 'tuple[list[torch.Tensor], list[torch.Tensor]]'",
         "forward_values": "(self, batch: 'TrainBatch') -> 'list[torch.Tensor]'",
-        "train_step": "(self, batch: 'TrainBatch', loss_cfg: 'LossConfig') -> 'dict[str, float]'",
+        "train_step": "(self, batch: 'TrainBatch', loss_cfg: 'LossConfig', *, "
+                      "loss_weights: 'Sequence[torch.Tensor] | None' = None)"
+                      " -> 'dict[str, float]'",
         "state_dict_for_engines": "(self, *, dtype: 'torch.dtype | None' = None, "
                                   "device: 'str | torch.device' = 'cpu')"
                                   " -> 'dict[str, torch.Tensor]'",

@@ -105,6 +105,22 @@ def test_pairs_stay_together():
             assert set(u) <= set(part) or not set(u) & set(part)
 
 
+def test_split_across_ranks_is_near_even_on_many_sequences():
+    """LPT over 200 random lengths: every sequence once, ranks within the largest sequence of
+    each other, and more even than striding the batch over the ranks."""
+    import random
+
+    rng = random.Random(0)
+    lengths = [rng.randint(8, 400) for _ in range(200)]
+    parts = split_across_ranks(lengths, 8)
+    assert sorted(i for p in parts for i in p) == list(range(200))
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= 400
+    naive = [sum(lengths[i::8]) for i in range(8)]
+    assert max(loads) - min(loads) < max(naive) - min(naive)
+    assert split_across_ranks([], 3) == [[], [], []]
+
+
 def test_split_across_ranks_balances_tokens():
     lengths = [10, 9, 8, 7, 6, 5, 4, 3]
     parts = split_across_ranks(lengths, 2)

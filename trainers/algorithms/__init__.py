@@ -5,6 +5,7 @@ Modules (each documents its formulas):
 - ``config``: ``LossConfig`` and its presets (pydantic; imports no torch)
 - ``advantages``: GRPO, Dr. GRPO, RLOO, REINFORCE++(-baseline), GAE, per-turn returns
 - ``estimators``: ``compute_advantages(batch, cfg)``, the glue from rewards to token advantages
+- ``tree_advantages``: per-turn credit over a branching group's prefix tree (estimator "tree")
 - ``policy_loss``: PPO clip (clip-higher, dual clip), GSPO, truncated importance sampling
 - ``kl``: k1/k2/k3 estimators, KL as reward penalty
 - ``aggregation``: token/sequence/group loss aggregation as per-token weights

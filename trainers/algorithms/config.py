@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 AdvantageEstimator = Literal[
-    "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"
+    "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "tree"
 ]
 LossAggregation = Literal[
     "token-mean",
@@ -82,7 +82,8 @@ class LossConfig(BaseModel):
     """How advantages are computed from rewards (``compute_advantages``)."""
 
     norm_adv_by_std: bool = True
-    """GRPO only: divide the group-centred reward by the group standard deviation."""
+    """GRPO and tree: divide the group-centred reward (tree: each turn's child-minus-parent
+    value) by the group standard deviation."""
 
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """Discount over tokens (GAE, REINFORCE++) and over turns when per-turn rewards are used."""

@@ -112,6 +112,22 @@ def _group_advantages(
     return torch.where((count > 1)[:, None], out, 0.0)
 
 
+def _tree_advantages(
+    batch: TrainBatch, cfg: LossConfig, penalty_BT: torch.Tensor | None
+) -> list[torch.Tensor]:
+    from palaestra.trainers.algorithms.tree_advantages import tree_token_advantages
+
+    if batch.group_ids is None or any(not g for g in batch.group_ids):
+        raise ConfigError("advantage_estimator='tree' compares the leaves of a group's tree and "
+                          "needs a group_id on every sample")
+    if penalty_BT is not None or cfg.use_turn_rewards:
+        raise ConfigError("advantage_estimator='tree' values nodes by their leaves' outcome "
+                          "rewards; set use_turn_rewards=false and kl_mode='loss'")
+    return tree_token_advantages(
+        batch.token_ids, batch.loss_mask, batch.turn_ends or [()] * len(batch.token_ids),
+        batch.group_ids, _rewards(batch).tolist(), norm_by_std=cfg.norm_adv_by_std)
+
+
 def compute_advantages(
     batch: TrainBatch, cfg: LossConfig, *, values: Sequence[torch.Tensor] | None = None
 ) -> TrainBatch:
@@ -126,6 +142,8 @@ def compute_advantages(
     lengths = batch.lengths
     penalty_BT = _kl_penalty_BT(batch, cfg, mask_BT)
     estimator = cfg.advantage_estimator
+    if estimator == "tree":  # per-turn credit over a branching group's prefix tree
+        return batch.replace(advantages=_tree_advantages(batch, cfg, penalty_BT))
     if estimator in _GROUP_ESTIMATORS:
         adv = _group_advantages(batch, cfg, mask_BT, penalty_BT)
         return batch.replace(advantages=unpad(adv, lengths))

@@ -14,7 +14,84 @@ neither torch nor megatron.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr__` loads them
+    from palaestra.trainers.megatron.arch import (
+        ModelArch as ModelArch,
+    )
+    from palaestra.trainers.megatron.arch import (
+        MoEArch as MoEArch,
+    )
+    from palaestra.trainers.megatron.arch import (
+        arch_from_hf_config as arch_from_hf_config,
+    )
+    from palaestra.trainers.megatron.arch import (
+        padded_vocab_size as padded_vocab_size,
+    )
+    from palaestra.trainers.megatron.backend import (
+        MegatronBackend as MegatronBackend,
+    )
+    from palaestra.trainers.megatron.config import (
+        MegatronBackendConfig as MegatronBackendConfig,
+    )
+    from palaestra.trainers.megatron.convert import (
+        fuse_qkv as fuse_qkv,
+    )
+    from palaestra.trainers.megatron.convert import (
+        hf_to_mcore as hf_to_mcore,
+    )
+    from palaestra.trainers.megatron.convert import (
+        mcore_to_hf as mcore_to_hf,
+    )
+    from palaestra.trainers.megatron.convert import (
+        mcore_to_hf_param as mcore_to_hf_param,
+    )
+    from palaestra.trainers.megatron.convert import (
+        split_qkv as split_qkv,
+    )
+    from palaestra.trainers.megatron.flops import (
+        train_flops_per_token as train_flops_per_token,
+    )
+    from palaestra.trainers.megatron.model import (
+        build_gpt_model as build_gpt_model,
+    )
+    from palaestra.trainers.megatron.model import (
+        transformer_config as transformer_config,
+    )
+    from palaestra.trainers.megatron.parallel import (
+        ParallelConfig as ParallelConfig,
+    )
+    from palaestra.trainers.megatron.parallel import (
+        init_parallel as init_parallel,
+    )
+    from palaestra.trainers.megatron.sharding import (
+        ep_shard_state_dict as ep_shard_state_dict,
+    )
+    from palaestra.trainers.megatron.sharding import (
+        ep_unshard_state_dicts as ep_unshard_state_dicts,
+    )
+    from palaestra.trainers.megatron.sharding import (
+        shard_state_dict as shard_state_dict,
+    )
+    from palaestra.trainers.megatron.sharding import (
+        unshard_state_dicts as unshard_state_dicts,
+    )
+    from palaestra.trainers.megatron.weight_sync import (
+        SyncStats as SyncStats,
+    )
+    from palaestra.trainers.megatron.weight_sync import (
+        module_copier as module_copier,
+    )
+    from palaestra.trainers.megatron.weight_sync import (
+        sync_weights as sync_weights,
+    )
+    from palaestra.trainers.megatron.weights import (
+        iter_hf_weights as iter_hf_weights,
+    )
+    from palaestra.trainers.megatron.weights import (
+        load_hf_weights as load_hf_weights,
+    )
 
 _EXPORTS = {
     "ModelArch": "arch",

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
@@ -85,9 +85,10 @@ def _varlen(
         else:
             key = key.repeat_interleave(groups, dim=1)
             value = value.repeat_interleave(groups, dim=1)
-    return varlen_attn(
+    out = varlen_attn(
         query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale, **call
     )
+    return cast("torch.Tensor", out)  # a tuple only with return_aux, which is never passed
 
 
 def sdpa_thd(

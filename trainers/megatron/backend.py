@@ -110,15 +110,32 @@ class MegatronBackend:
         dtype = torch.bfloat16 if c.dtype == "bfloat16" else torch.float32
         self.device = torch.device("cuda", torch.cuda.current_device()) \
             if torch.cuda.is_available() else torch.device("cpu")
+        replay_fields: dict[str, Any] = {}
+        if c.routing_replay == "rollout":
+            from palaestra.trainers.routing_replay_megatron import config_overrides
+
+            if self.arch.moe is None:
+                raise ConfigError("routing_replay = 'rollout' needs an MoE model; this one is "
+                                  "dense: set trainer.routing_replay = 'off'")
+            replay_fields = config_overrides()
         self.mconfig = transformer_config(
             self.arch, self.parallel, dtype=dtype,
             use_cpu_initialization=self.device.type == "cpu",
             perform_initialization=hf_state_dict is None, recompute=c.recompute,
-            bias_activation_fusion=c.fused_swiglu,
+            bias_activation_fusion=c.fused_swiglu, **replay_fields,
         )
         # read by SDPAttention (the TransformerConfig has no field for it)
         self.mconfig.palaestra_packed_attention = c.packed_attention
         model = build_gpt_model(self.arch, self.parallel, config=self.mconfig, use_te=self.use_te)
+        self.routing_replay: Any = None
+        if c.routing_replay == "rollout":
+            from megatron.core import parallel_state as ps
+
+            from palaestra.trainers.routing_replay_megatron import MegatronRoutingReplay
+
+            self.routing_replay = MegatronRoutingReplay(
+                model, sequence_parallel=c.sequence_parallel,
+                tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=c.tp)
         if hf_state_dict is not None:
             load_hf_weights(model, hf_state_dict, self.arch, fused_norms=self.use_te)
         self.model, self.optimizer = self._wrap(model)
@@ -231,7 +248,11 @@ class MegatronBackend:
             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths),
         )
         set_positions(unwrap(model), pos[0])  # one RoPE rotation per row (see packed_rope)
+        if self.routing_replay is not None:
+            self.routing_replay.before_forward(mb.routed_experts, ids.shape[1])
         out = model(input_ids=ids, position_ids=pos, attention_mask=None, packed_seq_params=packed)
+        if self.routing_replay is not None:
+            self.routing_replay.after_forward()
         if pad and unwrap(model).post_process:
             out = out[:, :width]
         return out
@@ -246,11 +267,15 @@ class MegatronBackend:
             mb = next(data_iterator).to(self.device)
             return self._forward(model, mb), partial(loss_fn, mb)
 
-        return get_forward_backward_func()(
-            forward_step_func=step_func, data_iterator=iter(mbs), model=[self.model],
-            num_microbatches=len(mbs), seq_length=max(mb.input_ids.shape[1] for mb in mbs),
-            micro_batch_size=1, forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=step_func, data_iterator=iter(mbs), model=[self.model],
+                num_microbatches=len(mbs), seq_length=max(mb.input_ids.shape[1] for mb in mbs),
+                micro_batch_size=1, forward_only=forward_only,
+            )
+        finally:
+            if self.routing_replay is not None:
+                self.routing_replay.finish()
 
     # interface -----------------------------------------------------------------------------
     def _forward_all(self, batch: TrainBatch, with_entropy: bool

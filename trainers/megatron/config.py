@@ -67,6 +67,11 @@ class MegatronBackendConfig(OptimizerSettings):
     logits_temperature: float = Field(1.0, gt=0.0)
     """Sampling temperature of the rollout: logits are divided by it before logprobs."""
 
+    routing_replay: Literal["off", "rollout"] = "off"
+    """MoE: route each token to the experts the rollout engine chose (``Sample.routed_experts``)
+    through megatron-core's ``RouterReplay`` (`palaestra.trainers.routing_replay_megatron`);
+    set from ``trainer.routing_replay``."""
+
     seed: int = 1234
     """Seed of the model-parallel RNGs and of random initialisation."""
 

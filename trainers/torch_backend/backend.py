@@ -111,10 +111,12 @@ def seed_everything(seed: int) -> None:
 def _enable_checkpointing(model: torch.nn.Module) -> None:
     """Non-reentrant activation checkpointing of every layer (transformers 5 and 4 names)."""
     kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    enable = getattr(model, "activation_checkpointing_enable", None)  # the name differs by version
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        getattr(model, "gradient_checkpointing_enable")(  # noqa: B009 - not a Module method
+            gradient_checkpointing_kwargs=kwargs)
 
 
 class TorchBackend:
@@ -138,14 +140,26 @@ class TorchBackend:
                 "fsdp='auto' or run one process"
             )
         seed_everything(self.config.seed)
+        self.lora = None if self.config.critic else self.config.lora
+        if self.lora is not None and self.fsdp:
+            raise ConfigError("trainer.torch.lora runs on one process here (FSDP2 with a peft "
+                              "model is not supported yet): drop torchrun or the lora section")
         self.model = self._load_model(self.model_path, trainable=True)
+        self.routing_replay: Any = None  # `RoutingReplay` of the policy when replaying
+        if self.config.routing_replay == "rollout":
+            from palaestra.trainers.routing_replay import RoutingReplay
+
+            self.routing_replay = RoutingReplay(self.model)
         self.ref_model: torch.nn.Module | None = None
-        if self.config.ref_model:
+        if self.config.ref_model and self.lora is None:  # LoRA: the adapter-disabled policy
             ref_path = Path(self.config.ref_model_path or self.model_path)
             self.ref_model = self._load_model(ref_path, trainable=False)
         self.optimizer = build_optimizer(self.model.parameters(), self.config)
         self.scheduler = build_scheduler(self.optimizer, self.config)
         self.step = 0
+        # True in a trainer group (`palaestra.trainers.group`): each rank's batch is already its
+        # data-parallel shard (and train_step gets the loss weights of the whole batch)
+        self.local_batches = False
         self._last_lr = float(self.optimizer.param_groups[0]["lr"])
 
     # ---------------------------------------------------------------- construction helpers
@@ -190,6 +204,10 @@ class TorchBackend:
         model.config.use_cache = False
         if trainable and self.config.gradient_checkpointing:
             _enable_checkpointing(model)
+        if trainable and self.lora is not None:
+            from palaestra.trainers.torch_backend.lora import apply_lora
+
+            model = apply_lora(model, self.lora)
         model.to(self.device)
         if self.fsdp:
             mp_dtype = self.compute_dtype if self.compute_dtype != self.param_dtype else None
@@ -221,6 +239,8 @@ class TorchBackend:
             cu = cu.to(self.device, non_blocking=True)
             extra = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths),
                      "max_length_k": max(lengths)}
+        if self.routing_replay is not None and model is self.model:
+            self.routing_replay.set(mb.routed_experts)  # kept for a backward recompute
         with self._autocast():
             out = model(
                 input_ids=mb.input_ids,
@@ -250,7 +270,7 @@ class TorchBackend:
         )
 
     def _rank_subset(self, batch: TrainBatch) -> list[int] | None:
-        if not self.dist.is_distributed:
+        if not self.dist.is_distributed or self.local_batches:
             return None
         parts = split_across_ranks(batch.lengths, self.dist.world_size, units=batch.units())
         return parts[self.dist.rank]
@@ -260,7 +280,10 @@ class TorchBackend:
         self, batch: TrainBatch, *, ref: bool, with_entropy: bool
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         model = self.model
-        if ref:
+        adapter_off = ref and self.lora is not None and self.config.ref_model
+        if adapter_off:
+            pass  # LoRA's reference: the same model with the adapter disabled (no copy)
+        elif ref:
             if self.ref_model is None:
                 raise ConfigError(
                     "forward_logprobs(ref=True) needs a reference model: set "
@@ -277,7 +300,9 @@ class TorchBackend:
         local: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         for i in range(steps):
             mb = (micro[i] if i < len(micro) else self._dummy_micro_batch()).to(self.device)
-            values, entropy = self._token_stats(model, mb, with_entropy=with_entropy)
+            with (self.model.disable_adapter() if adapter_off  # type: ignore[operator]
+                  else contextlib.nullcontext()):
+                values, entropy = self._token_stats(model, mb, with_entropy=with_entropy)
             if i >= len(micro):
                 continue
             ent_parts = mb.unpack(entropy) if entropy is not None else [None] * mb.num_sequences
@@ -286,7 +311,7 @@ class TorchBackend:
         if was_training:
             model.train()
         merged: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        for part in all_gather_objects(local, self.dist):
+        for part in [local] if self.local_batches else all_gather_objects(local, self.dist):
             merged.update(part)
         logps = [merged[i][0] for i in range(batch.num_sequences)]
         ents = [merged[i][1] for i in range(batch.num_sequences)] if with_entropy else None
@@ -355,8 +380,12 @@ class TorchBackend:
             entropy=entropy, seq_index=mb.seq_index,
         )
 
-    def train_step(self, batch: TrainBatch, loss_cfg: LossConfig) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, loss_cfg: LossConfig, *,
+                   loss_weights: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
         """One optimizer step on ``batch`` under ``loss_cfg``; returns float metrics.
+
+        ``loss_weights``: per-sequence aggregation weights computed over the whole batch (a
+        trainer group's rank gets its shard and these; default: from ``batch`` itself).
 
         Metrics: ``loss`` and the objective's terms (``actor/pg_loss``, ``actor/kl``,
         ``actor/entropy``, ``actor/clip_frac``, ... aggregated like the loss), ``grad_norm``
@@ -371,12 +400,15 @@ class TorchBackend:
             and loss_cfg.needs_ref_logprobs
             and loss_cfg.kl_mode == "loss"
             and batch.ref_logprobs is None
-            and self.ref_model is not None
+            and (self.ref_model is not None or (self.lora is not None and self.config.ref_model))
         ):
             batch = batch.replace(ref_logprobs=self.forward_logprobs(batch, ref=True))
             logprobs_s = time.perf_counter() - start
+        if loss_weights is None and self.local_batches:
+            raise ConfigError("a data-parallel shard needs the whole batch's loss_weights")
         fields: dict[str, Sequence[torch.Tensor]] = {
-            "weights": batch_loss_weights(batch, loss_cfg),
+            "weights": batch_loss_weights(batch, loss_cfg) if loss_weights is None
+            else tuple(loss_weights),
             "loss_mask": batch.loss_mask,
         }
         for name in ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs",
@@ -440,7 +472,15 @@ class TorchBackend:
         Tied parameters appear under every name (sharing one tensor). The tensors are a
         snapshot: later training steps do not change them. A collective under FSDP2, where only
         rank 0 gets the tensors. ``dtype`` casts floating tensors (e.g. bf16 for SGLang).
+        Under LoRA: the base weights with the adapter merged (`adapter_for_engines` is the
+        adapter alone).
         """
+        if self.lora is not None:
+            from palaestra.trainers.torch_backend.lora import merged_state_dict
+
+            merged = merged_state_dict(self.model, dtype=dtype)
+            return {k: v.to(device) for k, v in merged.items()} if str(device) != "cpu" \
+                else merged
         sd = ckpt.full_state_dict(self.model, self.dist)
         out: dict[str, torch.Tensor] = {}
         copies: dict[int, torch.Tensor] = {}  # data_ptr -> copy, so tied weights stay shared
@@ -463,6 +503,15 @@ class TorchBackend:
         return bucketize(self.state_dict_for_engines(dtype=dtype, device=device).items(),
                          bucket_bytes)
 
+    def adapter_for_engines(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        """Under LoRA: (the adapter's tensors under peft's names, its peft config) as a
+        snapshot; None under full fine-tuning."""
+        if self.lora is None:
+            return None
+        from palaestra.trainers.torch_backend.lora import adapter_config, adapter_state
+
+        return adapter_state(self.model), adapter_config(self.model)
+
     # ----------------------------------------------------------------------- checkpoints
     def save(self, directory: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
         """Checkpoint model, optimizer, scheduler, step and RNG into ``directory``."""
@@ -470,25 +519,78 @@ class TorchBackend:
         return ckpt.save_checkpoint(
             directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
             step=self.step, info=self.dist, extra={**state, **(extra or {})},
+            trainable_only=self.lora is not None,  # LoRA: the adapter, not the frozen base
         )
 
     def load(self, directory: str | Path) -> dict[str, Any]:
         """Restore a checkpoint written by ``save``; returns its state (``step``, ``extra``)."""
         state = ckpt.load_checkpoint(
             directory, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-            info=self.dist,
+            info=self.dist, trainable_only=self.lora is not None,
         )
         self.step = int(state["step"])
         return state
 
     def export_hf(self, directory: str | Path, *, dtype: torch.dtype | None = None) -> Path:
-        """Save a ``from_pretrained``-loadable model and the source tokenizer into ``directory``."""
+        """Save a ``from_pretrained``-loadable model and the source tokenizer into ``directory``
+        (under LoRA: the base with the adapter merged)."""
+        if self.lora is not None:
+            return ckpt.export_state_dict(
+                directory, self.state_dict_for_engines(dtype=dtype),
+                model=self.model.get_base_model(),  # type: ignore[operator]
+                source_path=self.model_path)
         return ckpt.export_hf(
             directory, model=self.model, info=self.dist, source_path=self.model_path, dtype=dtype
         )
 
+    def export_adapter(self, directory: str | Path) -> Path:
+        """Under LoRA: a peft adapter folder (``PeftModel.from_pretrained(base, directory)``)."""
+        if self.lora is None:
+            raise ConfigError("export_adapter needs trainer.torch.lora (this is full fine-tuning:"
+                              " use export_hf)")
+        from palaestra.trainers.torch_backend.lora import save_adapter
+
+        return save_adapter(self.model, directory)
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters())
+
+    # ------------------------------------------------------------- colocated GPU memory
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state to host memory (while a colocated
+        engine serves) and free the GPU cache; `onload` brings them back. No-op on CPU."""
+        self._move_state(torch.device("cpu"))
+
+    def onload(self) -> None:
+        self._move_state(self.device)
+
+    def _move_state(self, device: torch.device) -> None:
+        if self.device.type == "cpu":
+            return
+        models = [m for m in (self.model, self.ref_model) if m is not None]
+        for model in models:
+            for p in model.parameters():
+                p.data = p.data.to(device, non_blocking=True)
+                if p.grad is not None:
+                    p.grad = p.grad.to(device, non_blocking=True)
+            for name, buf in model.named_buffers():
+                buf.data = buf.data.to(device, non_blocking=True)
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    state[key] = value.to(device, non_blocking=True)
+        torch.cuda.synchronize()
+        if device.type == "cpu":
+            torch.cuda.empty_cache()
+
+    def memory(self) -> dict[str, float]:
+        """GPU memory of this process (GiB): allocated, reserved, peak allocated (0 on CPU)."""
+        if self.device.type != "cuda":
+            return {"allocated_gib": 0.0, "reserved_gib": 0.0, "peak_gib": 0.0}
+        gib = 1024**3
+        return {"allocated_gib": torch.cuda.memory_allocated(self.device) / gib,
+                "reserved_gib": torch.cuda.memory_reserved(self.device) / gib,
+                "peak_gib": torch.cuda.max_memory_allocated(self.device) / gib}
 
 
 __all__ = ["TorchBackend", "seed_everything"]

@@ -19,7 +19,7 @@ import json
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -59,9 +59,10 @@ def full_state_dict(model: torch.nn.Module, info: DistInfo) -> dict[str, torch.T
         return {k: v.detach() for k, v in model.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return get_model_state_dict(
+    full = get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
+    return cast("dict[str, torch.Tensor]", full)  # a model's state dict holds tensors only
 
 
 def _without_tied(sd: dict[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -111,14 +112,20 @@ def save_checkpoint(
     step: int,
     info: DistInfo,
     extra: dict[str, Any] | None = None,
+    trainable_only: bool = False,
 ) -> Path:
-    """Write a complete checkpoint to ``directory`` (every rank must call it)."""
+    """Write a complete checkpoint to ``directory`` (every rank must call it).
+
+    ``trainable_only`` (LoRA): ``model.safetensors`` holds only the parameters that require
+    gradients (the adapter), not the frozen base the run was started from."""
     from safetensors.torch import save_file
 
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     (path / STATE_FILE).unlink(missing_ok=True)
     weights = full_state_dict(model, info)
+    if trainable_only:
+        weights = {k: v for k, v in weights.items() if k in _trainable_names(model)}
     optim_state = _optimizer_state(model, optimizer)
     if info.is_main:
         save_file(_without_tied(weights, model), str(path / "model.safetensors"))
@@ -164,8 +171,11 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     info: DistInfo,
+    trainable_only: bool = False,
 ) -> dict[str, Any]:
-    """Restore weights, optimizer, scheduler and RNG; returns the saved state dict (step...)."""
+    """Restore weights, optimizer, scheduler and RNG; returns the saved state dict (step...).
+
+    ``trainable_only``: the checkpoint holds exactly the trainable parameters (LoRA's)."""
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -175,7 +185,7 @@ def load_checkpoint(
 
     path = Path(directory)
     state = read_state(path)
-    weights = load_file(str(path / "model.safetensors")) if info.is_main else {}
+    weights: dict[str, Any] = load_file(str(path / "model.safetensors")) if info.is_main else {}
     optim_state = torch.load(path / "optimizer.pt", weights_only=True) if info.is_main else {}
     if info.is_distributed:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
@@ -183,14 +193,17 @@ def load_checkpoint(
         set_optimizer_state_dict(model, optimizer, optim_state, options=options)
     else:
         missing, unexpected = model.load_state_dict(weights, strict=False)
+        if trainable_only:
+            missing = [k for k in _trainable_names(model) if k not in weights]
         bad = (set(missing) - tied_keys(model)) | set(unexpected)
         if bad:
             raise CheckpointError(
                 f"checkpoint {path} does not match the model: {sorted(bad)[:5]} differ; load it "
                 "with the model_path it was trained from"
             )
-        if hasattr(model, "tie_weights"):
-            model.tie_weights()
+        tie = getattr(model, "tie_weights", None)  # a Hugging Face model's
+        if tie is not None:
+            tie()
         set_optimizer_state_dict(
             model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True)
         )
@@ -217,7 +230,8 @@ def export_hf(
         sd = _without_tied(weights, model)
         if dtype is not None:
             sd = {k: v.to(dtype) if v.is_floating_point() else v for k, v in sd.items()}
-        model.save_pretrained(str(path), state_dict=sd)
+        save = getattr(model, "save_pretrained")  # noqa: B009 - a Hugging Face model's, not Module's
+        save(str(path), state_dict=sd)
         _fix_config_dtype(path, next(iter(sd.values())).dtype if sd else None)
         if source_path is not None:
             for name in TOKENIZER_FILES:
@@ -225,6 +239,34 @@ def export_hf(
                 if src.is_file() and not (path / name).exists():
                     shutil.copy2(src, path / name)
     barrier(info)
+    return path
+
+
+def _trainable_names(model: torch.nn.Module) -> set[str]:
+    return {name for name, p in model.named_parameters() if p.requires_grad}
+
+
+def export_state_dict(directory: str | Path, state: dict[str, torch.Tensor], *,
+                      model: torch.nn.Module, source_path: str | Path | None = None) -> Path:
+    """Save ``state`` (Hugging Face names, e.g. LoRA-merged weights) as a ``from_pretrained``
+    folder with ``model``'s config and the source's tokenizer (one process)."""
+    from safetensors.torch import save_file
+
+    path = Path(directory)
+    path.mkdir(parents=True, exist_ok=True)
+    drop = tied_keys(model)
+    sd = {k: v.contiguous() for k, v in state.items() if k not in drop}
+    save_file(sd, str(path / "model.safetensors"), metadata={"format": "pt"})
+    getattr(model, "config").save_pretrained(str(path))  # noqa: B009 - a HF model's config
+    generation = getattr(model, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(str(path))
+    _fix_config_dtype(path, next(iter(sd.values())).dtype if sd else None)
+    if source_path is not None:
+        for name in TOKENIZER_FILES:
+            src = Path(source_path) / name
+            if src.is_file() and not (path / name).exists():
+                shutil.copy2(src, path / name)
     return path
 
 
@@ -244,6 +286,7 @@ def _fix_config_dtype(path: Path, dtype: torch.dtype | None) -> None:
 __all__ = [
     "STATE_FILE",
     "export_hf",
+    "export_state_dict",
     "full_state_dict",
     "load_checkpoint",
     "read_state",

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import ConfigDict, Field
 
 from palaestra.trainers.optim_config import OptimizerSettings
+from palaestra.trainers.torch_backend.lora import LoraSettings
 
 
 class TorchBackendConfig(OptimizerSettings):
@@ -60,6 +61,16 @@ class TorchBackendConfig(OptimizerSettings):
 
     fsdp_reshard_after_forward: bool = True
     """FSDP2: free gathered parameters after forward (ZeRO-3); False keeps them (ZeRO-2)."""
+
+    lora: LoraSettings | None = None
+    """``[trainer.torch.lora]``: train a peft LoRA adapter instead of the full weights (only the
+    adapter is trained, checkpointed and synced to the engines; the reference model for KL is
+    the same model with the adapter disabled). None: full fine-tuning."""
+
+    routing_replay: Literal["off", "rollout"] = "off"
+    """MoE policies: "rollout" forces the experts the rollout engine chose (the batch's
+    ``routed_experts``) in every training forward; the router still learns through the softmax
+    probabilities of those experts (`palaestra.trainers.routing_replay`)."""
 
 
 __all__ = ["TorchBackendConfig"]

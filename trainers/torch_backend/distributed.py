@@ -78,7 +78,7 @@ def apply_fsdp2(
 
     # an explicit mesh: FSDP's default one lives on CUDA whenever CUDA exists, even for gloo
     mesh = init_device_mesh(info.device.type, (info.world_size,))
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
         "reshard_after_forward": reshard_after_forward,

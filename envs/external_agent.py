@@ -1,4 +1,4 @@
-"""`AgentEnv`: an agent program you already wrote, as a palaestra environment.
+"""`ExternalAgentEnv`: an external agent program you already wrote, as a palaestra environment.
 
 The agent runs its own loop with an OpenAI client against the agent gateway
 (`palaestra.rollout.gateway`); the gateway records the exact tokens the policy sampled. When the
@@ -20,12 +20,13 @@ failed trajectory carrying the error, and its gateway session is freed.
 
 Register it like any env and name it in the data rows::
 
-    palaestra.envs.register("my/Agent-v0", "palaestra.envs.agent_env:AgentEnv",
+    palaestra.envs.register("my/Agent-v0", "palaestra.envs.external_agent:ExternalAgentEnv",
                             agent="my_pkg.agent:solve", reward_fn="my_pkg.agent:score")
 
-Episodes are played by ``palaestra.rollout.gateway.agent_episode.run_agent_episode`` (named by
-``episode_runner``; the rollout's ``run_episode`` dispatches to it): an `AgentEnv` cannot be
-stepped message by message.
+Its class declares ``episode_kind = EpisodeKind.EXTERNAL_AGENT``: the rollout plays its
+episodes with that kind's runner (`palaestra.rollout.episode.RUNNERS`, the gateway's
+``run_agent_episode``); an `ExternalAgentEnv` cannot be stepped message by message. (Not to be
+confused with `palaestra.agents.Agent`, the token transcript of the rollout's own loop.)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from palaestra.envs.base import Env, StepResult
+from palaestra.episode_info import EpisodeKind
 from palaestra.errors import ConfigError
 from palaestra.types import Message
 
@@ -68,11 +70,11 @@ def resolve(target: Any, what: str) -> Any:
     return obj
 
 
-class AgentEnv(Env):
+class ExternalAgentEnv(Env):
     """An external agent program (callable or command) as an environment; see the module doc."""
 
-    #: the function that plays this env's episodes (resolved by the rollout, never imported here)
-    episode_runner: ClassVar[str] = "palaestra.rollout.gateway.agent_episode:run_agent_episode"
+    #: the rollout plays it through the agent gateway (envs name no rollout module)
+    episode_kind: ClassVar[EpisodeKind] = EpisodeKind.EXTERNAL_AGENT
     step_in_thread: ClassVar[bool] = False
 
     def __init__(
@@ -111,7 +113,7 @@ class AgentEnv(Env):
         if int(max_calls) < 1:
             problems.append(f"max_calls must be >= 1, got {max_calls}")
         if problems:
-            raise ConfigError("invalid AgentEnv:\n  - " + "\n  - ".join(problems))
+            raise ConfigError("invalid ExternalAgentEnv:\n  - " + "\n  - ".join(problems))
         self.agent = agent
         self.command = list(command) if command is not None else None
         self.reward_fn = reward_fn
@@ -143,9 +145,9 @@ class AgentEnv(Env):
 
     def on_action(self, action: Message) -> StepResult:
         raise ConfigError(
-            "AgentEnv runs an external agent program that talks to the agent gateway; it cannot "
-            "be stepped message by message. Play its episodes with run_episode (which dispatches "
-            "to palaestra.rollout.gateway.agent_episode.run_agent_episode) or call that directly"
+            "ExternalAgentEnv runs an external agent program that talks to the agent gateway; it cannot "
+            "be stepped message by message. Play its episodes with palaestra.rollout.run_episode "
+            "(which hands its kind, external_agent, to the gateway's runner)"
         )
 
     # ----- what the episode runner uses ------------------------------------------------------
@@ -187,4 +189,4 @@ class AgentEnv(Env):
         return float(value)
 
 
-__all__ = ["AgentEnv", "AgentFn", "RewardFn", "resolve"]
+__all__ = ["AgentFn", "ExternalAgentEnv", "RewardFn", "resolve"]

@@ -1,0 +1,174 @@
+"""Routing replay end to end on CPU: the embedded engine records the experts of a tiny random
+Qwen3-MoE, the samples carry them, and the torch backend's training forward replays them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from palaestra.errors import ConfigError
+from palaestra.rollout.engines.base import SamplingParams
+from palaestra.trainers.algorithms.config import LossConfig
+from palaestra.trainers.batching import TrainBatch
+from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+from palaestra.types import Sample
+
+NUM_EXPERTS = 6
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory) -> Path:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    config = Qwen3MoeConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=NUM_EXPERTS, num_experts_per_tok=2, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[1], max_position_embeddings=256,
+        eos_token_id=1, pad_token_id=0, router_aux_loss_coef=0.0,
+    )
+    model = Qwen3MoeForCausalLM(config)
+    with torch.no_grad():  # a router whose top-k moves under small perturbations (bf16)
+        for layer in model.model.layers:
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.weight.normal_(0, 0.05)
+    path = tmp_path_factory.mktemp("moe")
+    model.save_pretrained(path)
+    return path
+
+
+def _rollout(moe_dir: Path, dtype: str, n: int = 6) -> list[Sample]:
+    """Samples from the embedded engine, routed experts padded to one row per token."""
+    from palaestra.rollout.engines.local import LocalEngine
+
+    async def go() -> list[Sample]:
+        engine = LocalEngine(moe_dir, device="cpu", dtype=dtype, prefix_cache_tokens=0)
+        g = torch.Generator().manual_seed(5)
+        prompts = [torch.randint(2, 96, (8 + i,), generator=g).tolist() for i in range(n)]
+        try:
+            gens = await asyncio.gather(*(engine.generate(
+                p, SamplingParams(max_new_tokens=16, temperature=1.0, seed=i, ignore_eos=True))
+                for i, p in enumerate(prompts)))
+        finally:
+            await engine.close()
+        samples = []
+        for p, gen in zip(prompts, gens):
+            ids = p + list(gen.token_ids)
+            routes = torch.full((len(ids), 3, 2), -1, dtype=torch.int16)
+            got = gen.meta["routed_experts"]
+            routes[: got.shape[0]] = got
+            samples.append(Sample(
+                token_ids_T=tuple(ids), loss_mask_T=(0,) * len(p) + (1,) * len(gen.token_ids),
+                logprobs_T=(0.0,) * len(p) + tuple(gen.logprobs),
+                versions_T=(-1,) * len(p) + (0,) * len(gen.token_ids), prompt_len=len(p),
+                group_id="g", reward=float(len(samples) % 2), routed_experts=routes,
+                advantage=1.0 if len(samples) % 2 else -1.0))
+        return samples
+
+    return asyncio.run(go())
+
+
+def _gap(backend: TorchBackend, batch: TrainBatch) -> float:
+    """Mean |trainer - engine| logprob over the sampled tokens."""
+    logps = backend.forward_logprobs(batch)
+    diffs = [((lp - r) * m).abs().sum() / m.sum()
+             for lp, r, m in zip(logps, batch.rollout_logprobs, batch.loss_mask)]
+    return float(torch.stack(diffs).mean())
+
+
+def _backend(moe_dir: Path, replay: str, **kw) -> TorchBackend:
+    return TorchBackend(moe_dir, TorchBackendConfig(device="cpu", dtype="float32", lr=1e-3,
+                                                    routing_replay=replay, **kw))
+
+
+def test_replay_reproduces_the_engine_logprobs_and_forces_the_experts(moe_dir: Path) -> None:
+    samples = _rollout(moe_dir, "float32")
+    batch = TrainBatch.from_samples(samples)
+    assert batch.routed_experts is not None
+    replay = _backend(moe_dir, "rollout")
+    assert _gap(replay, batch) < 1e-4
+    assert replay.routing_replay.replayed_tokens > 0
+    # other expert ids are really used: the logprobs move away from the engine's
+    shifted = batch.replace(routed_experts=tuple(
+        torch.where(r >= 0, (r + 2) % NUM_EXPERTS, r) for r in batch.routed_experts))
+    assert _gap(replay, shifted) > 1e-3  # 20x the replayed gap bound
+    # padded rows (no packing) carry the same routes
+    padded = _backend(moe_dir, "rollout", pack_sequences=False)
+    assert _gap(padded, batch) < 1e-4
+
+
+def test_router_still_learns_under_replay(moe_dir: Path) -> None:
+    samples = _rollout(moe_dir, "float32", n=4)
+    batch = TrainBatch.from_samples(samples)
+    backend = _backend(moe_dir, "rollout")
+    gate = backend.model.model.layers[0].mlp.gate.weight
+    before = gate.detach().clone()
+    metrics = backend.train_step(batch, LossConfig(preset="grpo"))
+    assert not torch.equal(before, gate.detach())  # the gate got gradients through the softmax
+    assert "actor/rollout_kl" in metrics
+    assert metrics["actor/rollout_kl"] < 1e-6  # fp32, replayed: on-policy to rounding
+
+
+def test_replay_closes_the_bf16_rollout_mismatch(moe_dir: Path) -> None:
+    """A bf16 engine routes some tokens differently from the fp32 trainer; replay removes that
+    part of the rollout-vs-training gap (what remains is bf16 rounding)."""
+    batch = TrainBatch.from_samples(_rollout(moe_dir, "bfloat16", n=8))
+    free, replayed = _backend(moe_dir, "off"), _backend(moe_dir, "rollout")
+    gap_free, gap_replay = _gap(free, batch), _gap(replayed, batch)
+    assert gap_replay < gap_free, (gap_replay, gap_free)
+    kl = {name: b.train_step(batch, LossConfig(preset="grpo"))["actor/rollout_kl"]
+          for name, b in (("off", free), ("rollout", replayed))}
+    assert kl["rollout"] < kl["off"], kl
+
+
+def test_replay_refuses_a_dense_model(tmp_path: Path) -> None:
+    from palaestra.tiny_model import build_model
+
+    path = build_model(tmp_path / "m", "micro")
+    with pytest.raises(ConfigError, match="MoE"):
+        _backend(path, "rollout")
+
+
+def test_batch_checks_route_shapes() -> None:
+    from palaestra.errors import TrajectoryValidationError
+
+    with pytest.raises(TrajectoryValidationError, match="routed_experts"):
+        TrainBatch(token_ids=[torch.arange(4)], loss_mask=[torch.tensor([0, 1, 1, 1.0])],
+                   routed_experts=[torch.zeros(3, 2, 2)])
+
+
+def test_replay_of_deepseek_v3_sigmoid_routing(tmp_path: Path) -> None:
+    """DeepSeek-V3's router (sigmoid, expert bias, groups, scaling): the engine's routes replayed
+    give the engine's logprobs; shifted routes change them."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=12,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
+        max_position_embeddings=256, eos_token_id=1, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(torch.randn_like(b) * 0.1)
+    model.save_pretrained(tmp_path)
+    batch = TrainBatch.from_samples(_rollout(tmp_path, "float32", n=4))
+    replay = _backend(tmp_path, "rollout")
+    assert len(replay.routing_replay.routers) == 2
+    assert _gap(replay, batch) < 1e-4
+    shifted = batch.replace(routed_experts=tuple(
+        torch.where(r >= 0, (r + 3) % 8, r) for r in batch.routed_experts))
+    assert _gap(replay, shifted) > 1e-3

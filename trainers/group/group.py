@@ -1,0 +1,257 @@
+"""`TrainerGroup`: the trainer ranks of a run as Ray actors on one placement group.
+
+`start` reserves the plan's trainer bundles (`palaestra.rollout.placement.RunPlan`: GPU bundles,
+or CPU bundles on CPU nodes) as a Ray placement group, starts one `TrainerRank` actor per bundle,
+asks rank 0 for its address and a free port and has every rank join that process group (NCCL on
+GPU, gloo on CPU) and load the torch backend sharded with FSDP2. The group has the backend's
+methods, so the loop drives it as it drives one in-process backend:
+
+- ``train_step(batch, loss_cfg)``: the batch is split by data-parallel rank with balanced token
+  counts (`split_across_ranks`), the loss weights are computed once over the whole batch, and
+  each rank's shard goes into the object store with ``ray.put`` and reaches its rank as an object
+  reference (no rank receives another's sequences). Metrics come back summed over ranks.
+- ``forward_logprobs``: the same shards; each rank's rows are put back in batch order.
+- ``state_dict_for_engines`` / ``iter_engine_weight_buckets`` (full weights from rank 0, for
+  `EngineSync`), ``save``/``load`` (one checkpoint, full state dicts), ``export_hf``,
+  ``offload``/``onload`` (host memory while a colocated engine serves), ``close``.
+
+A rank that dies (its process, or its node) fails the call with `TrainerRankLost`, naming the
+rank and its node, and saying that the next start resumes from the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from palaestra.errors import ConfigError, MissingExtraError, PalaestraError
+
+
+class TrainerRankLost(PalaestraError, RuntimeError):
+    """A trainer rank (its actor, process or node) died during a collective call."""
+
+
+class TrainerGroup:
+    """``len(plan.trainer_bundles)`` torch-backend ranks as Ray actors (see the module doc)."""
+
+    def __init__(self, model_path: str | Path, config: Any, plan: Any, *,
+                 address: str | None = None, ready_timeout_s: float = 300.0) -> None:
+        self.model_path = Path(model_path)
+        self.config = config
+        self.plan = plan
+        self.address = address
+        self.ready_timeout_s = ready_timeout_s
+        self.world_size = len(plan.trainer_bundles)
+        self.actors: list[Any] = []
+        self.ranks: list[dict[str, Any]] = []
+        self.placement_group: Any = None
+        self._started_ray = False
+        self._lost = False
+
+    # ------------------------------------------------------------------------ lifecycle
+    def start(self) -> TrainerGroup:
+        try:
+            import ray
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        except ImportError as exc:
+            raise MissingExtraError.for_module("ray", "ray") from exc
+        bundles = [dict(self.plan.bundles[b]) for b in self.plan.trainer_bundles]
+        if not ray.is_initialized():
+            self._started_ray = self.address is None and not os.environ.get("RAY_ADDRESS")
+            kwargs: dict[str, Any] = {"include_dashboard": False}
+            if self._started_ray:  # logical CPUs: the ranks, rollout workers and the driver
+                need = sum(b.get("CPU", 0) for b in bundles)
+                kwargs["num_cpus"] = max(os.cpu_count() or 1, int(need) + 4)
+            ray.init(address=self.address, **kwargs)
+        have = ray.cluster_resources()
+        for key in ("GPU", "CPU"):
+            need = sum(b.get(key, 0) for b in bundles)
+            if need > have.get(key, 0):
+                raise ConfigError(
+                    f"the trainer group needs {need:g} {key} for {self.world_size} ranks but the "
+                    f"Ray cluster has {have.get(key, 0):g}; lower placement.trainer_ranks or "
+                    "placement.cpus_per_rank, or add nodes")
+        self.placement_group = placement_group(bundles, strategy=self.plan.strategy)
+        try:
+            ray.get(self.placement_group.ready(), timeout=self.ready_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise ConfigError(
+                f"the Ray cluster could not place the trainer bundles {bundles} with strategy "
+                f"{self.plan.strategy} within {self.ready_timeout_s:.0f} s (ray status shows "
+                "what is free)") from None
+        from palaestra.trainers.group.actor import TrainerRank
+
+        for rank, bundle in enumerate(bundles):
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self.placement_group, placement_group_bundle_index=rank)
+            actor_cls = ray.remote(num_cpus=bundle.get("CPU", 0),
+                                   num_gpus=self.plan.trainer_gpu_fraction if bundle.get("GPU")
+                                   else 0, max_restarts=0)(TrainerRank)
+            self.actors.append(actor_cls.options(scheduling_strategy=strategy).remote(
+                rank, self.world_size))
+        addr, port = self._get([self.actors[0].address.remote()])[0]
+        self.ranks = self._get([a.init.remote(str(self.model_path), self.config, addr, port)
+                                for a in self.actors])
+        return self
+
+    def close(self) -> None:
+        """Stop the ranks, free the placement group (and the Ray cluster this group started)."""
+        import ray
+
+        actors, self.actors = self.actors, []
+        if actors and not self._lost:  # after a lost rank the others hang in a collective
+            try:
+                ray.get([a.shutdown.remote() for a in actors], timeout=30)
+            except Exception:  # noqa: BLE001,S110 - a dead rank has nothing left to shut down
+                pass
+        for actor in actors:
+            ray.kill(actor)
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+    def __enter__(self) -> TrainerGroup:  # noqa: PYI034
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------- calls
+    def _get(self, refs: Sequence[Any]) -> list[Any]:
+        """Every result; the first rank that fails fails the call at once (the others may be
+        blocked in a collective that will never finish). A failure because a rank died (its
+        own, or its peers' collective breaking) is `TrainerRankLost`."""
+        import ray
+
+        pending = list(refs)
+        try:
+            while pending:
+                done, pending = ray.wait(pending, num_returns=1)
+                ray.get(done)
+            return list(ray.get(list(refs)))
+        except PalaestraError:
+            raise
+        except Exception as exc:
+            died = isinstance(exc, (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError))
+            lost = self._lost_ranks(wait_s=15.0 if not died else 5.0)
+            if not lost and not died:
+                raise
+            self._lost = True
+            where = ", ".join(f"rank {r} (node {self.ranks[r]['node']})" if r < len(self.ranks)
+                              else f"rank {r}" for r in lost) or "a rank"
+            raise TrainerRankLost(
+                f"trainer {where} of {self.world_size} died ({type(exc).__name__}); the run "
+                "stops here. Start `palaestra train` again with the same config: it resumes "
+                "from the last checkpoint in the run directory") from exc
+
+    def _lost_ranks(self, wait_s: float) -> list[int]:
+        """Ranks whose actor is dead (Ray may take a few seconds to notice a lost node)."""
+        import time
+
+        import ray
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            lost = []
+            probes = {actor.address.remote(): rank for rank, actor in enumerate(self.actors)}
+            ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=2.0)
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except Exception:  # noqa: BLE001 - any failure of a probe: the rank is gone
+                    lost.append(probes[ref])
+            if lost or time.monotonic() > deadline:
+                return sorted(lost)
+
+    def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+
+    def shards(self, batch: Any, loss_cfg: Any = None) -> tuple[list[list[int]], list[Any]]:
+        """The sequence indices of each rank (token-balanced) and an object ref per rank holding
+        its sub-batch and (with ``loss_cfg``) its sequences' loss weights over the whole batch."""
+        import ray
+
+        from palaestra.trainers.algorithms.objective import batch_loss_weights
+        from palaestra.trainers.batching import split_across_ranks
+
+        parts = split_across_ranks(batch.lengths, self.world_size, units=batch.units())
+        if any(not p for p in parts):
+            raise ConfigError(
+                f"a batch of {batch.num_sequences} sequences cannot feed {self.world_size} "
+                "trainer ranks; raise rollout.batch_size x group_size or lower "
+                "placement.trainer_ranks")
+        weights = batch_loss_weights(batch, loss_cfg) if loss_cfg is not None else None
+        refs = [ray.put((batch.select(p), None if weights is None else [weights[i] for i in p]))
+                for p in parts]
+        return parts, refs
+
+    # ------------------------------------------------------------- the backend's methods
+    def train_step(self, batch: Any, loss_cfg: Any) -> dict[str, float]:
+        _, refs = self.shards(batch, loss_cfg)
+        results = self._get([a.train_step.remote(ref, loss_cfg)
+                             for a, ref in zip(self.actors, refs)])
+        out = dict(results[0])  # all-reduced on the ranks: the same everywhere
+        for key in ("num_tokens", "num_loss_tokens"):
+            out[key] = float(sum(r[key] for r in results))
+        out["step_time_s"] = max(r["step_time_s"] for r in results)
+        return out
+
+    def forward_logprobs(self, batch: Any, *, ref: bool = False) -> list[Any]:
+        parts, refs = self.shards(batch)
+        results = self._get([a.forward_logprobs.remote(r, ref) for a, r in zip(self.actors, refs)])
+        rows: list[Any] = [None] * batch.num_sequences
+        for indices, values in zip(parts, results):
+            for i, v in zip(indices, values):
+                rows[i] = v
+        return rows
+
+    def state_dict_for_engines(self, *, dtype: Any = None,
+                               device: Any = "cpu") -> dict[str, Any]:
+        """Full weights gathered on rank 0 (a collective of all ranks), here on ``device``."""
+        full = self._all("state_dict_for_engines", dtype, "cpu")[0]
+        if str(device) == "cpu":
+            return full  # type: ignore[no-any-return]
+        return {k: v.to(device) for k, v in full.items()}
+
+    def iter_engine_weight_buckets(self, bucket_bytes: int = 512 << 20, *, dtype: Any = None,
+                                   device: Any = "cpu") -> Iterator[list[tuple[str, Any]]]:
+        from palaestra.rollout.engines.weight_transfer import bucketize
+
+        return bucketize(self.state_dict_for_engines(dtype=dtype, device=device).items(),
+                         bucket_bytes)
+
+    def save(self, directory: str | Path, *, extra: dict[str, Any] | None = None) -> Path:
+        return Path(self._all("save", str(directory), extra)[0])
+
+    def load(self, directory: str | Path) -> dict[str, Any]:
+        return self._all("load", str(directory))[0]  # type: ignore[no-any-return]
+
+    def export_hf(self, directory: str | Path, *, dtype: Any = None) -> Path:
+        if dtype is not None:
+            raise ConfigError("TrainerGroup.export_hf exports in the training dtype")
+        return Path(self._all("export_hf", str(directory))[0])
+
+    @property
+    def step(self) -> int:
+        return int(self._all("step")[0])
+
+    def offload(self) -> list[dict[str, float]]:
+        """Every rank's weights, gradients and optimizer state to host memory; GPU memory after."""
+        return self._all("offload")
+
+    def onload(self) -> list[dict[str, float]]:
+        return self._all("onload")
+
+    def memory(self) -> list[dict[str, float]]:
+        return self._all("memory")
+
+
+__all__ = ["TrainerGroup", "TrainerRankLost"]
