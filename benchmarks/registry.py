@@ -156,21 +156,13 @@ def _ensure_builtins() -> None:
 
 def env_available(benchmark: Benchmark) -> str | None:
     """None when the benchmark's env is registered, else the reason it is not."""
-    import gymnasium
+    from palaestra.envs.registry import lookup
+    from palaestra.errors import EnvNotFoundError
 
-    from palaestra.envs.registry import register_builtin
-
-    register_builtin()
-    env_id = benchmark.env_id.rpartition(":")[2]
-    if ":" in benchmark.env_id:
-        import importlib
-
-        try:
-            importlib.import_module(benchmark.env_id.rpartition(":")[0])
-        except ImportError as exc:
-            return f"cannot import {benchmark.env_id.rpartition(':')[0]} ({exc})"
-    if env_id not in gymnasium.registry:
-        return f"env {env_id} is not registered (not built yet, or its package is not imported)"
+    try:  # the registry's own resolution: "module:Id-v0", "verifiers:<id>", bare ids
+        lookup(benchmark.env_id)
+    except (EnvNotFoundError, ImportError) as exc:
+        return str(exc)
     return None
 
 

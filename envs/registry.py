@@ -24,6 +24,7 @@ NAMESPACE = "palaestra"
 #: id -> entry point of the built-in environments (kwargs come from `make` or the TOML config).
 BUILTIN_ENVS: dict[str, str] = {
     "palaestra/Calculator-v0": "palaestra.envs.calculator:CalculatorEnv",
+    "palaestra/HiddenRule-v0": "palaestra.envs.hidden_rule:HiddenRuleEnv",
     "palaestra/SearchR1-v0": "palaestra.envs.search.env:SearchR1Env",
     "palaestra/SearchR1Tools-v0": "palaestra.envs.search.env:SearchR1ToolsEnv",
     "palaestra/GSM8K-v0": "palaestra.envs.math:GSM8KEnv",

@@ -16,6 +16,9 @@ run the recorded cells again).
 
 The rollout worker saves its parked episodes with these (`RolloutWorker.inflight_state` after a
 pause) and re-creates them in a new process (`RolloutWorker.restore_inflight`, then `resume`).
+The manager's checkpoint (`RolloutManager.checkpoint_state`) carries them as `encode_inflight`
+makes them: one compressed pickle in base64 (JSON-safe, for ``backend_state.json``; a checkpoint
+is trusted input, as its weights are), about 1 KB per episode of a few short turns.
 """
 
 from __future__ import annotations
@@ -143,7 +146,7 @@ def decode_inflight(entry: dict[str, Any]) -> tuple[list[SavedGroup],
                               "its rollout state to restart those episodes from their tasks")
     try:
         state = pickle.loads(zlib.decompress(base64.b64decode(entry["data"])))
-    except Exception as exc:  # noqa: BLE001 -- a damaged or foreign checkpoint
+    except Exception as exc:  # a damaged or foreign checkpoint
         raise CheckpointError(f"cannot read the checkpoint's in-flight episodes ({exc!r}); drop "
                               "the 'inflight' entry of its rollout state to restart them from "
                               "their tasks") from exc

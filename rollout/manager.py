@@ -30,6 +30,13 @@ weights, never of timing (a resumed run draws exactly what an uninterrupted one 
 rollout (parked groups going on from their tokens) and async mode mix weight versions at points
 that follow timing; they stay available when ``exact`` is off.
 
+Checkpoints: `state_dict` holds the data position and the tasks not yet trained on (restarted
+from their task on load). `checkpoint_state` (what ``palaestra train`` saves) also holds, when
+groups are in flight (async mode), those groups whole: the workers park every episode at its next
+generation without cutting one (`RolloutWorker.inflight_state`), and a manager that loads it plays
+them on from their last completed turn and keeps the finished, not yet trained-on groups
+(`palaestra.rollout.inflight`); branching groups restart from their task.
+
 Ledger: every task drawn is, at any time, exactly one of kept, filtered, failed, dropped-stale,
 queued, in flight or ready; ``ledger/unaccounted`` in the metrics is always 0 and the per-step
 ``groups/*`` counters say where this step's tasks went.
@@ -206,6 +213,8 @@ class RolloutManager:
     async def generate_batch(self, step: int) -> RolloutBatch:
         """The next batch: ``batch_size`` kept groups (fewer only when the draw cap is hit)."""
         await self.start()
+        if self._restore:  # loaded after start()
+            await self._restore_inflight()
         if self._paused:
             await self.resume()
         cfg = self.config

@@ -146,6 +146,7 @@ class RolloutWorker:
         self._engine = None
         self._groups.clear()
         self._ready.clear()
+        self._done_tasks.clear()
         self._gate = GatedEngine()
         self._apply(config)
 
@@ -271,9 +272,11 @@ class RolloutWorker:
 
     async def inflight_state(self) -> list[Any]:
         """The parked groups as `palaestra.rollout.inflight.SavedGroup`s (picklable): finished
-        episodes as trajectories, parked ones at their last completed turn. Call after `pause`;
-        the groups stay parked here (a checkpoint, not a hand-over). Branching groups are not
-        in it (a tree's branches park inside its one task): restart those from their task."""
+        episodes as trajectories, parked ones at their last completed turn, and the finished
+        groups no `collect` has returned yet. Call after `pause` (with the gate closed it first
+        waits for episodes still inside an env step to park); the groups stay parked here (a
+        checkpoint, not a hand-over). Branching groups are not in it (a tree's branches park
+        inside its one task): restart those from their task."""
         from palaestra.errors import RolloutError
         from palaestra.rollout.inflight import SavedGroup, save_episode
 
@@ -298,7 +301,8 @@ class RolloutWorker:
     async def restore_inflight(self, groups: Sequence[Any]) -> int:
         """Re-create saved groups (`inflight_state` of a worker of the same config, maybe in a
         process that died since); `resume` then plays their episodes on from their last
-        completed turn. Returns the episodes restored."""
+        completed turn (a finished group is returned by the next `collect`). Returns the
+        episodes restored."""
         from palaestra.rollout.inflight import arestore_episode
 
         self.engine  # noqa: B018

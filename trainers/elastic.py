@@ -285,7 +285,11 @@ class AdminServer:
     async def start(self) -> AdminServer:
         from aiohttp import web
 
-        app = web.Application(middlewares=[self._auth])
+        @web.middleware
+        async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+            return await self._auth(request, handler)  # type: ignore[no-any-return]
+
+        app = web.Application(middlewares=[auth])
         app.router.add_get("/engines", self._list)
         app.router.add_post("/engines", self._add)
         app.router.add_post("/engines/remove", self._remove)
@@ -315,21 +319,19 @@ class AdminServer:
             self._runner = None
 
     # ---------------------------------------------------------------------- handlers
-    async def _auth(self, app: Any, handler: Any) -> Any:
+    async def _auth(self, request: Any, handler: Any) -> Any:
+        """The token, then the handler; a `PalaestraError` answers 400 (409: a conflict)."""
         from aiohttp import web
 
-        async def check(request: Any) -> Any:
-            given = request.headers.get("Authorization", "")
-            if not secrets.compare_digest(given, f"Bearer {self.token}"):
-                return web.json_response({"error": "wrong or missing token (the run's "
-                                          f"{TOKEN_FILE})"}, status=401)
-            try:
-                return await handler(request)
-            except PalaestraError as exc:
-                status = 409 if "already" in str(exc) or "ended" in str(exc) else 400
-                return web.json_response({"error": str(exc)}, status=status)
-
-        return check
+        given = request.headers.get("Authorization", "")
+        if not secrets.compare_digest(given, f"Bearer {self.token}"):
+            return web.json_response({"error": "wrong or missing token (the run's "
+                                      f"{TOKEN_FILE})"}, status=401)
+        try:
+            return await handler(request)
+        except PalaestraError as exc:
+            status = 409 if "already" in str(exc) or "ended" in str(exc) else 400
+            return web.json_response({"error": str(exc)}, status=status)
 
     async def _list(self, request: Any) -> Any:
         from aiohttp import web

@@ -19,6 +19,8 @@ from palaestra.errors import ConfigError
 if TYPE_CHECKING:
     from palaestra.contracts import WeightSource
     from palaestra.engine import Engine
+    from palaestra.rollout.engines import LocalEngine
+    from palaestra.rollout.engines.sglang import SGLangClient, SGLangEngine
     from palaestra.rollout.engines.weight_transfer import TransferStats
     from palaestra.trainers.config import EngineSection
 
@@ -33,6 +35,16 @@ def resolve_method(engine: EngineSection) -> str:
     import torch
 
     return "distributed" if torch.cuda.is_available() else "disk"
+
+
+def _servers(engine: LocalEngine | SGLangEngine, method: str) -> list[SGLangClient]:
+    """The server clients a sender of ``method`` pushes to (SGLang servers only)."""
+    from palaestra.rollout.engines.sglang import SGLangEngine
+
+    if not isinstance(engine, SGLangEngine):
+        raise ConfigError(f"engine.weight_sync.kind = {method!r} needs SGLang servers "
+                          "(engine.kind = 'sglang'); the embedded engine is updated in process")
+    return engine.clients  # the engine's own list (the senders see engines that join)
 
 
 class EngineSync:
@@ -56,8 +68,8 @@ class EngineSync:
         self._served_adapter: tuple[str, Path] | None = None
 
     @classmethod
-    def from_config(cls, settings: EngineSection, engine: Any, policy_path: Path, *,
-                    out: str) -> EngineSync:
+    def from_config(cls, settings: EngineSection, engine: LocalEngine | SGLangEngine,
+                    policy_path: Path, *, out: str) -> EngineSync:
         """The sync of ``[engine]`` (``settings``) to ``engine``; ``out``: the run directory
         (``{out}`` in ``weight_sync.dir``)."""
         import torch
@@ -79,13 +91,13 @@ class EngineSync:
                 raise ConfigError("engine.weight_sync.backend = 'nccl' needs CUDA here; use "
                                   "'gloo' or engine.weight_sync.kind = 'disk'")
             sender = DistributedWeightSender(
-                engine.clients, backend=e.backend, master_address=e.master_address,
+                _servers(engine, method), backend=e.backend, master_address=e.master_address,
                 master_port=e.master_port, timeout_s=e.timeout_s)
             if e.backend == "nccl":  # a CUDA snapshot of the weights: no host round trip
                 device = "cuda"
             bucket_mb = e.bucket_mb
         elif isinstance(e, DiskSync):
-            sender = DiskWeightSender(engine.clients, e.dir.replace("{out}", out),
+            sender = DiskWeightSender(_servers(engine, method), e.dir.replace("{out}", out),
                                       model_dir=policy_path, keep_last=2)
             bucket_mb = e.bucket_mb
         sync = cls(method, engine, sender=sender, bucket_bytes=bucket_mb << 20,
@@ -117,8 +129,10 @@ class EngineSync:
             dtype = self.dtype or getattr(self.engine, "dtype", None)  # what the engine computes in
             if dtype is not None:
                 state = {k: v.to(dtype) for k, v in state.items()}
-            await self.engine.update_adapter(state, config, name=backend.lora.adapter_name,
-                                             version=version)
+            engine: Any = self.engine  # a LocalEngine (`_adapter_of` checked it)
+            await engine.update_adapter(state, config,
+                                        name=backend.lora.adapter_name,  # type: ignore[attr-defined]
+                                        version=version)
             self.last = TransferStats(time.perf_counter() - start,
                                       sum(t.numel() * t.element_size() for t in state.values()),
                                       len(state), 1)
@@ -144,13 +158,14 @@ class EngineSync:
             raise ConfigError("LoRA to servers needs an engine with /load_lora_adapter "
                               "(SGLangEngine) and a run directory (EngineSync.from_config)")
         start = time.perf_counter()
+        engine: Any = self.engine  # an SGLangEngine (checked above)
         name = f"{backend.lora.adapter_name}-v{version}"
         folder = backend.export_adapter(self.adapter_dir / name)
-        await self.engine.load_lora_adapter(name, str(folder))
+        await engine.load_lora_adapter(name, str(folder))
         old, self._served_adapter = self._served_adapter, (name, folder)
-        self.engine.default_lora = name  # type: ignore[attr-defined]
+        engine.default_lora = name
         if old is not None and old[0] != name:
-            await self.engine.unload_lora_adapter(old[0])
+            await engine.unload_lora_adapter(old[0])
             shutil.rmtree(old[1], ignore_errors=True)
         size = sum(f.stat().st_size for f in folder.iterdir() if f.suffix == ".safetensors")
         return TransferStats(time.perf_counter() - start, size, 1, 1)

@@ -23,10 +23,10 @@ TOKEN_FILE = "admin.token"
 
 def configure(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    for name, text in (("add", "add an engine (SGLang-protocol server) to the run: it gets the "
-                               "current weights at the next step boundary, then serves"),
-                       ("remove", "drain an engine out of the run (in-flight requests finish "
-                                  "or move to another engine after --timeout)"),
+    for name, text in (("add", ("add an engine (SGLang-protocol server) to the run: it gets "
+                                "the current weights at the next step boundary, then serves")),
+                       ("remove", ("drain an engine out of the run (in-flight requests finish "
+                                   "or move to another engine after --timeout)")),
                        ("list", "the run's engines, their requests and weight versions")):
         p = sub.add_parser(name, help=text, description=text)
         if name != "list":
@@ -74,6 +74,7 @@ def call(run_dir: str | Path, action: str, url: str | None = None, *,
 
         url = normalize_url(url)
     admin, token = _admin_of(Path(run_dir))
+    body: dict[str, Any] | None
     if action == "list":
         method, path, body = "GET", "/engines", None
     elif action == "add":
@@ -86,7 +87,7 @@ def call(run_dir: str | Path, action: str, url: str | None = None, *,
         admin + path, method=method, data=None if body is None else json.dumps(body).encode(),
         headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=wait_s) as response:  # noqa: S310 - loopback
+        with urllib.request.urlopen(request, timeout=wait_s) as response:
             return json.loads(response.read())  # type: ignore[no-any-return]
     except urllib.error.HTTPError as exc:
         try:

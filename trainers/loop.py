@@ -15,7 +15,9 @@ the weights after every step (in process, NCCL/gloo broadcast, disk or HTTP tens
 Exact resume (sync mode): every request samples from its own seed (run seed, task draw, episode
 index, request index), batches are in draw order and never drawn ahead (`RolloutManager`'s exact
 batches), so a run killed at any step and resumed trains on the same samples as an uninterrupted
-one. A resume refuses fixed settings that differ from the recorded ``config.json``
+one. Async mode runs episodes across a checkpoint: the checkpoint holds them whole
+(`RolloutManager.checkpoint_state`), and a resumed run plays them on from their last completed
+turn. A resume refuses fixed settings that differ from the recorded ``config.json``
 (`run_dir.check_resume`); a larger ``trainer.steps`` extends a finished run. Failed episodes go to
 ``failures.jsonl`` (with a console line per step), a step whose gradients are not finite is
 counted in ``train/skipped_steps``, the console is copied to ``console.log``, and the end of a run
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
     from palaestra.rollout.engines import LocalEngine
     from palaestra.rollout.engines.serve import RunningServer
     from palaestra.rollout.engines.sglang import SGLangEngine
-    from palaestra.rollout.manager import RolloutManager
+    from palaestra.rollout.manager import RolloutBatch, RolloutManager
     from palaestra.rollout.placement import RunPlan
     from palaestra.rollout.rewards.worker import RewardClient
     from palaestra.trainers.algorithms.config import LossConfig
@@ -425,7 +427,7 @@ def _update_skipped(metrics: dict[str, float]) -> bool:
     return bad_norm or metrics.get("update_ok", 1.0) == 0.0
 
 
-def _failure_line(step: int, batch: Any, run: RunDir) -> str:
+def _failure_line(step: int, batch: RolloutBatch, run: RunDir) -> str:
     """``[rl step N] k of n episodes failed: 2 x <error>; ...`` (one console line)."""
     finished = int(batch.metrics.get("episodes/finished", 0))
     common = Counter((t.error or t.stop_reason.value).splitlines()[0][:120]
@@ -435,7 +437,8 @@ def _failure_line(step: int, batch: Any, run: RunDir) -> str:
             f"(all in {run.root / 'failures.jsonl'})")
 
 
-def _save_rl(cfg: TrainConfig, run: RunDir, backend: Any, manager: Any, step: int,
+def _save_rl(cfg: TrainConfig, run: RunDir, backend: TrainerBackend[TrainBatch, LossConfig],
+             manager: RolloutManager, step: int,
              counts: Counter[str], critic: Any = None,
              rollout: dict[str, Any] | None = None) -> None:
     directory = run.checkpoint_dir("rl", step)

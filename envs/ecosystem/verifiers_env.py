@@ -10,10 +10,22 @@ the taskset's tasks are the dataset (rows: the task's data fields, plus its inde
 ``@vf.reward`` functions, weighted, and plugged judges) the reward: the conversation is put into
 a verifiers `Trace` (message nodes, the model's turns marked sampled) and
 ``await task.score(trace, None)`` fills ``trace.rewards``; the env's reward is ``trace.reward``,
-the per-reward scores go to ``info["rewards"]``. An assistant message ends the episode (v1's
-multi-turn protocol lives in its harnesses and MCP toolsets, which drive their own agent
-program; tools of a task can be served to palaestra through ``palaestra/MCP-v0``). Rewards that
-need a runtime (a container) are skipped by verifiers itself when none is given.
+the per-reward scores go to ``info["rewards"]``. Rewards that need a runtime (a container) are
+skipped by verifiers itself when none is given.
+
+Single turn or multi-turn, as the taskset says. verifiers 0.4 has no ``MultiTurnEnv``/``ToolEnv``
+(``env_response``/``is_completed`` were the 0.3 API, which needs ``mcp<2``); its multi-turn
+protocol is the task's tools: a ``Task.toolsets`` (or ``Taskset.toolsets``) `Toolset` whose
+``@vf.tool`` methods verifiers serves over MCP. `verifiers_env` (the registered entry point)
+gives plain `VerifiersEnv` (one answer ends the episode) for a taskset without toolsets, and for
+one with a toolset a `VerifiersToolsEnv` (an `MCPEnv`): the toolset's own server
+(``Toolset.run``, streamable HTTP on loopback, one per episode, a subprocess like verifiers'
+default ``SubprocessConfig`` runtime, so not in palaestra's sandbox) gives the tool schemas,
+each tool call is an MCP ``call_tool`` (errors are tool messages, a crash ends the episode as
+failed), and an answer without tool calls ends the episode with the rubric's reward. Not
+supported: more than one toolset per task (refused), and toolset state synced through
+verifiers' state channel (a `Toolset` with its own `State` subclass sees a fresh state each
+call; attributes of the toolset object do persist through the episode).
 """
 
 from __future__ import annotations

@@ -369,7 +369,7 @@ class LocalEngine:
         if (path is None) == (adapter is None):
             raise EngineError("load_lora_adapter takes exactly one of path or adapter")
         parsed = adapter if adapter is not None else await asyncio.to_thread(
-            LoraAdapter.from_folder, name, path)
+            LoraAdapter.from_folder, name, str(path))
         parsed.name = name
         self._ensure_started()
         assert self._lock is not None

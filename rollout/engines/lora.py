@@ -203,10 +203,10 @@ class LoraRuntime:
         dev, dtype = dec.embed.device, dec.dtype
         unknown = []
         for module in adapter.modules:
-            parts = module.split(".")
-            ok = (len(parts) == 5 and parts[0] == "model" and parts[1] == "layers"
-                  and parts[2].isdigit() and int(parts[2]) < len(dec.layers)
-                  and parts[4] in _MODULE_OP)
+            bits = module.split(".")
+            ok = (len(bits) == 5 and bits[0] == "model" and bits[1] == "layers"
+                  and bits[2].isdigit() and int(bits[2]) < len(dec.layers)
+                  and bits[4] in _MODULE_OP)
             if not ok:
                 unknown.append(module)
         if unknown:
@@ -221,14 +221,15 @@ class LoraRuntime:
                 if not present:
                     continue
                 out_rows = sum(n for _, _, n in parts)
-                a_parts, r_total = [], 0
+                a_parts: list[torch.Tensor] = []
+                r_total = 0
                 for m, _, _ in present:
                     a_parts.append(adapter.modules[self._module_name(i, m)][0])
                     r_total += a_parts[-1].shape[0]
                 b = torch.zeros(out_rows, r_total)
                 col = 0
                 for (m, off, n), a in zip(present, a_parts):
-                    a_mat, b_mat = adapter.modules[self._module_name(i, m)]
+                    b_mat = adapter.modules[self._module_name(i, m)][1]
                     if b_mat.shape != (n, a.shape[0]):
                         raise EngineError(f"adapter {adapter.name!r}: {self._module_name(i, m)} "
                                           f"B is {tuple(b_mat.shape)}, the model needs "

@@ -60,13 +60,20 @@ class Router:
         self.removed = 0
         self.retried = 0  # requests moved to another engine by a drain's timeout
         self._served_by_gone: dict[str, int] = {}
-        for e in engines:
-            self.add_engine(e)
+        for e in engines:  # one server listed twice (more weight to it) gets a second name
+            base = self._default_name(e)
+            taken = {m.name for m in self._members}
+            name = base if base not in taken else next(
+                f"{base}#{k}" for k in itertools.count(2) if f"{base}#{k}" not in taken)
+            self.add_engine(e, name)
         self.added = 0
 
     # ---------------------------------------------------------------------------- members
+    def _default_name(self, engine: Engine) -> str:
+        return getattr(engine, "url", None) or f"engine-{next(self._ids)}"
+
     def add_engine(self, engine: Engine, name: str | None = None) -> None:
-        name = name or getattr(engine, "url", None) or f"engine-{next(self._ids)}"
+        name = name or self._default_name(engine)
         if any(m.name == name for m in self._members):
             raise EngineError(f"the router already has an engine {name!r}")
         self._members.append(_Member(engine, name))

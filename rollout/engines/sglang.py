@@ -516,6 +516,9 @@ class SGLangEngine:
         await self.start()
         lora = lora if lora is not None else self.default_lora
         kwargs: dict[str, Any] = {} if lora is None else {"lora": lora}
+        if kwargs and not isinstance(self._engine(), SGLangClient):
+            raise EngineError("LoRA requests go to one server for now: the router over several "
+                              "servers does not forward lora_path yet (use one engine.urls entry)")
         return await self._engine().generate(input_ids, sampling, request_id=request_id,  # type: ignore[no-any-return]
                                              session_id=session_id, **kwargs)
 

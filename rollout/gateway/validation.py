@@ -201,27 +201,9 @@ def _trajectory(data: Any, where: str, group_id: str, p: Problems, limits: PostL
         p.add(f"{where}.reward is required")
     else:
         reward = check_number(data["reward"], f"{where}.reward", p)
-    turn_rewards: list[float] = []
-    raw_tr = data.get("turn_rewards")
-    if raw_tr is not None and not isinstance(raw_tr, list):
-        p.add(f"{where}.turn_rewards must be a list of numbers, got {describe(raw_tr)}")
-    for k, r in enumerate(raw_tr if isinstance(raw_tr, list) else ()):
-        value = check_number(r, f"{where}.turn_rewards[{k}]", p)
-        turn_rewards.append(value if value is not None else 0.0)
-    stop = StopReason.TERMINATED
-    raw_stop = data.get("stop_reason", "terminated")
-    try:
-        stop = StopReason(raw_stop) if isinstance(raw_stop, str) else StopReason("?")
-    except ValueError:
-        p.add(f"{where}.stop_reason {raw_stop!r} is not one of {[s.value for s in StopReason]}")
-    metadata = data.get("metadata")
-    if metadata is None:
-        metadata = {}
-    elif not isinstance(metadata, Mapping):
-        p.add(f"{where}.metadata must be an object, got {describe(metadata)}")
-        metadata = {}
-    else:
-        check_json_bytes(metadata, f"{where}.metadata", p, limits.max_metadata_bytes)
+    turn_rewards = _turn_rewards(data, where, p)
+    stop = _stop_reason(data, where, p)
+    metadata = _metadata(data, where, p, limits)
     env_id = data.get("env_id")
     task_id = data.get("task_id")
     env_id = "external" if env_id is None else check_str(env_id, f"{where}.env_id", p,
@@ -231,41 +213,10 @@ def _trajectory(data: Any, where: str, group_id: str, p: Problems, limits: PostL
     error = data.get("error")
     if error is not None:
         error = check_str(error, f"{where}.error", p)
-    raw_samples = data.get("samples")
-    if raw_samples is None:
-        pairs: list[tuple[str, Any]] = [(where, data)]
-        check_keys = False  # the trajectory's own keys were checked above
-    elif not isinstance(raw_samples, list) or not raw_samples:
-        p.add(f"{where}.samples must be a non-empty list of samples")
-        pairs, check_keys = [], True
-    elif limits.max_samples is not None and len(raw_samples) > limits.max_samples:
-        p.add(f"{where}.samples has {len(raw_samples)} samples; at most {limits.max_samples}")
-        pairs, check_keys = [], True
-    else:
-        pairs = [(f"{where}.samples[{j}]", s) for j, s in enumerate(raw_samples)]
-        check_keys = True
-        inline = sorted(k for k in SAMPLE_FIELDS if k in data)
-        if inline:
-            p.add(f"{where} has both 'samples' and sample fields {inline}; give one or the other")
+    pairs, check_keys = _sample_spots(data, where, p, limits)
     parsed = [_sample(raw, spot, p, limits, version, check_keys) for spot, raw in pairs]
-    messages: tuple[Message, ...] = ()
-    raw_messages = data.get("messages")
-    if raw_messages is not None and not isinstance(raw_messages, list):
-        p.add(f"{where}.messages must be a list of chat messages, got {describe(raw_messages)}")
-    elif raw_messages:
-        try:
-            messages = tuple(Message.from_dict(m) for m in raw_messages)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            p.add(f"{where}.messages: {exc}")
-    metrics = {f"meta/{k}": float(v) for k, v in metadata.items()
-               if is_number(v) and math.isfinite(v)}
-    extra = data.get("metrics")
-    if extra is not None and not isinstance(extra, Mapping):
-        p.add(f"{where}.metrics must be an object of numbers, got {describe(extra)}")
-    for k, v in (extra.items() if isinstance(extra, Mapping) else ()):
-        value = check_number(v, f"{where}.metrics[{k!r}]", p)
-        if value is not None:
-            metrics[str(k)] = value
+    messages = _messages(data, where, p)
+    metrics = _metrics(data, metadata, where, p)
     if len(p) > before or reward is None or any(s is None for s in parsed) or not parsed:
         return None
     samples = tuple(Sample(
@@ -279,6 +230,84 @@ def _trajectory(data: Any, where: str, group_id: str, p: Problems, limits: PostL
     return Trajectory(env_id=str(env_id), task_id=str(task_id), messages=messages, turns=(),
                       samples=samples, reward=reward, stop_reason=stop,
                       error=error or None, metrics=metrics, group_id=group_id)
+
+
+def _turn_rewards(data: Mapping[str, Any], where: str, p: Problems) -> list[float]:
+    turn_rewards: list[float] = []
+    raw_tr = data.get("turn_rewards")
+    if raw_tr is not None and not isinstance(raw_tr, list):
+        p.add(f"{where}.turn_rewards must be a list of numbers, got {describe(raw_tr)}")
+    for k, r in enumerate(raw_tr if isinstance(raw_tr, list) else ()):
+        value = check_number(r, f"{where}.turn_rewards[{k}]", p)
+        turn_rewards.append(value if value is not None else 0.0)
+    return turn_rewards
+
+
+def _stop_reason(data: Mapping[str, Any], where: str, p: Problems) -> StopReason:
+    stop = StopReason.TERMINATED
+    raw_stop = data.get("stop_reason", "terminated")
+    try:
+        stop = StopReason(raw_stop) if isinstance(raw_stop, str) else StopReason("?")
+    except ValueError:
+        p.add(f"{where}.stop_reason {raw_stop!r} is not one of {[s.value for s in StopReason]}")
+    return stop
+
+
+def _metadata(data: Mapping[str, Any], where: str, p: Problems,
+              limits: PostLimits) -> Mapping[str, Any]:
+    metadata = data.get("metadata")
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        p.add(f"{where}.metadata must be an object, got {describe(metadata)}")
+        return {}
+    check_json_bytes(metadata, f"{where}.metadata", p, limits.max_metadata_bytes)
+    return metadata
+
+
+def _sample_spots(data: Mapping[str, Any], where: str, p: Problems,
+                  limits: PostLimits) -> tuple[list[tuple[str, Any]], bool]:
+    """Where the samples are (``samples[j]``, or the trajectory itself) and whether their
+    keys are still to check."""
+    raw_samples = data.get("samples")
+    if raw_samples is None:
+        return [(where, data)], False  # the trajectory's own keys were checked already
+    if not isinstance(raw_samples, list) or not raw_samples:
+        p.add(f"{where}.samples must be a non-empty list of samples")
+        return [], True
+    if limits.max_samples is not None and len(raw_samples) > limits.max_samples:
+        p.add(f"{where}.samples has {len(raw_samples)} samples; at most {limits.max_samples}")
+        return [], True
+    inline = sorted(k for k in SAMPLE_FIELDS if k in data)
+    if inline:
+        p.add(f"{where} has both 'samples' and sample fields {inline}; give one or the other")
+    return [(f"{where}.samples[{j}]", s) for j, s in enumerate(raw_samples)], True
+
+
+def _messages(data: Mapping[str, Any], where: str, p: Problems) -> tuple[Message, ...]:
+    raw_messages = data.get("messages")
+    if raw_messages is not None and not isinstance(raw_messages, list):
+        p.add(f"{where}.messages must be a list of chat messages, got {describe(raw_messages)}")
+    elif raw_messages:
+        try:
+            return tuple(Message.from_dict(m) for m in raw_messages)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            p.add(f"{where}.messages: {exc}")
+    return ()
+
+
+def _metrics(data: Mapping[str, Any], metadata: Mapping[str, Any], where: str,
+             p: Problems) -> dict[str, float]:
+    metrics = {f"meta/{k}": float(v) for k, v in metadata.items()
+               if is_number(v) and math.isfinite(v)}
+    extra = data.get("metrics")
+    if extra is not None and not isinstance(extra, Mapping):
+        p.add(f"{where}.metrics must be an object of numbers, got {describe(extra)}")
+    for k, v in (extra.items() if isinstance(extra, Mapping) else ()):
+        value = check_number(v, f"{where}.metrics[{k!r}]", p)
+        if value is not None:
+            metrics[str(k)] = value
+    return metrics
 
 
 def parse_sample(data: Mapping[str, Any], where: str, *, vocab_size: int | None, version: int,

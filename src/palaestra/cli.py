@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("palaestra.trainers.cli", "train a policy (RL, SFT, DPO) from a TOML config"),
     "eval": ("palaestra.benchmarks.cli", "evaluate a model on benchmarks; compare runs"),
     "gateway": ("palaestra.rollout.gateway.cli", "OpenAI-compatible gateway for external agents"),
+    "engines": ("palaestra.trainers.engines_cli",
+                "add, remove and list the engines of a running training run"),
 }
 
 

@@ -122,7 +122,11 @@ def test_bad_definitions_and_missing_requirements():
     assert "retriever" in (check_requirements(nq, {}) or "")
     assert check_requirements(nq, {"retriever": "http://127.0.0.1:1/retrieve"}) is None
     missing = Benchmark(name="ghost", env_id="palaestra/Ghost-v0")
-    assert "not registered" in (env_available(missing) or "")
+    assert "no environment registered as 'palaestra/Ghost-v0'" in (env_available(missing) or "")
+    # the registry's spellings resolve as in make(): an importable module's id, and its failure
+    assert env_available(Benchmark(name="calc", env_id="palaestra/Calculator-v0")) is None
+    assert "cannot import" in (env_available(
+        Benchmark(name="gone", env_id="no_such_module_xyz:Some-v0")) or "")
 
 
 def test_duplicate_task_ids_are_refused(tmp_path):

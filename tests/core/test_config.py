@@ -1,9 +1,11 @@
 """Config machinery: TOML + dotted overrides, all problems in one error, help from docstrings."""
 
 import json
+from typing import Annotated, Literal
 
 import pydantic
 import pytest
+from pydantic import Field
 
 from palaestra.config import (
     ConfigProblems,
@@ -118,3 +120,57 @@ def test_config_problems_survive_pickling():
 
     err = pickle.loads(pickle.dumps(ConfigProblems([Problem(("a",), "fix a")])))
     assert err.problems == (Problem(("a",), "fix a"),) and str(err) == "fix a"
+
+
+# ---------------------------------------------------------------------- tagged unions
+
+class Gloo(Section):
+    kind: Literal["gloo"] = "gloo"
+    timeout_s: float = Field(10.0, gt=0)
+    """Seconds a broadcast may take."""
+
+
+class Files(Section):
+    kind: Literal["files"] = "files"
+    folder: str = "/tmp/w"
+    """Where the weights are written."""
+    bucket_mb: int = Field(64, ge=1)
+    """Bucket size."""
+
+
+class Trainer(Section):
+    sync: Annotated[Gloo | Files, Field(discriminator="kind")] = Field(default_factory=Gloo)
+    """How weights move."""
+    lr: float = Field(1e-3, gt=0)
+    """Learning rate."""
+
+
+def test_a_union_variant_is_chosen_by_kind_and_keeps_its_own_settings(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[sync]\nkind = "files"\nfolder = "/data"\n')
+    cfg = load_config(Trainer, path, ["--sync.bucket_mb", "8"])
+    assert cfg.sync == Files(folder="/data", bucket_mb=8)
+    assert load_config(Trainer).sync == Gloo()
+
+
+def test_union_errors_name_fields_without_the_tag_and_say_which_kind_has_a_field():
+    with pytest.raises(ConfigError) as err:
+        validate(Trainer, {"sync": {"kind": "files", "timeout_s": 3, "bucket_mb": 0,
+                                    "foldr": "x"}, "lr": -1})
+    text = str(err.value)
+    assert "4 problem(s)" in text  # every problem at once, inside and beside the union
+    assert ("sync.timeout_s: unknown field; it is a setting of sync.kind = 'gloo', the 'files' "
+            "kind never reads it") in text
+    assert "sync.bucket_mb = 0: must be >= 1 (Bucket size)" in text
+    assert "sync.foldr: unknown field; did you mean sync.folder?" in text
+    assert "lr = -1: must be > 0.0 (Learning rate)" in text
+    with pytest.raises(ConfigError, match=r"sync.kind = 'disk': must be one of 'gloo', 'files'"):
+        validate(Trainer, {"sync": {"kind": "disk"}})
+
+
+def test_help_lists_the_kinds_and_every_variants_fields_with_the_kinds_that_read_them():
+    lines = list(describe_fields(Trainer))
+    assert lines[0] == "--sync.kind (one of 'gloo', 'files' = 'gloo'): How weights move."
+    assert "--sync.timeout_s (float = 10.0) [kind gloo]: Seconds a broadcast may take." in lines
+    assert "--sync.folder (str = '/tmp/w') [kind files]: Where the weights are written." in lines
+    assert lines[-1] == "--lr (float = 0.001): Learning rate."

@@ -116,6 +116,7 @@ GOLD_PLAYERS = {
     "palaestra/Taxi-v0": _play_grid(TAXI_MOVES),
     "palaestra/CliffWalking-v0": _play_grid(CLIFF_MOVES),
     "palaestra/Blackjack-v0": _play_blackjack,
+    "palaestra/HiddenRule-v0": lambda env: env.step(f"<answer>{env.task['low'] + 2}</answer>"),
 }
 
 

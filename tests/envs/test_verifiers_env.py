@@ -265,7 +265,68 @@ def test_a_toolset_that_cannot_start_says_why(tmp_path, monkeypatch):
 
     (tmp_path / "broken_tools.py").write_text(BROKEN_TOOLS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    env = make("verifiers:broken-tools", startup_timeout_s=20)
+    env = make("verifiers:broken-tools", startup_timeout_s=120)  # bounds a loaded machine
     with pytest.raises(ToolError, match="cannot start here"):
         env.tool_schemas()
     env.close()
+
+
+@pytest.mark.slow
+def test_short_grpo_run_on_a_verifiers_toolset_taskset(tmp_path, monkeypatch):
+    """Two GRPO steps of the real training loop on ``env.id = "verifiers:calc-tools"`` (tasks
+    drawn from the verifiers taskset, its toolset's server per episode, its rubric as reward)."""
+    import json
+
+    import torch
+
+    from palaestra.config import load_config
+    from palaestra.tiny_model import build_model
+    from palaestra.trainers.config import TrainConfig
+    from palaestra.trainers.loop import train
+
+    torch.set_num_threads(1)
+    model = build_model(tmp_path / "model", "micro")
+    (tmp_path / "calc_tools.py").write_text(TOOLS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = tmp_path / "run.toml"
+    config.write_text(f'''
+out = "{tmp_path / "run"}"
+seed = 0
+[model]
+path = "{model}"
+[env]
+id = "verifiers:calc-tools"
+[agent]
+max_context = 1024
+[rollout]
+cluster = "local"
+num_workers = 1
+max_new_tokens = 32
+temperature = 1.0
+batch_size = 2
+group_size = 2
+[engine]
+device = "cpu"
+[eval]
+num_tasks = 1
+[trainer]
+steps = 2
+[trainer.torch]
+device = "cpu"
+lr = 0.05
+pack_sequences = false
+[trainer.loss]
+preset = "grpo"
+[checkpoint]
+interval = 2
+keep_last = 1
+[logging]
+progress = false
+tensorboard = false
+''')
+    train(load_config(TrainConfig, config))
+    metrics = [json.loads(line) for line in
+               (tmp_path / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rl = [r for r in metrics if r.get("phase") == "rl"]
+    assert [r["step"] for r in rl] == [0, 1]
+    assert all(r["episodes/failed"] == 0 and r["train/num_loss_tokens"] > 0 for r in rl)

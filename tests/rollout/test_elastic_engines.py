@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -148,6 +150,10 @@ def test_an_engine_joins_a_running_run_and_one_drains_out(tmp_path, micro_model,
     try:
         _wait_for(run / "admin.json", proc)
         assert (os.stat(run / "admin.token").st_mode & 0o777) == 0o600
+        admin = json.loads((run / "admin.json").read_text())["url"]
+        with pytest.raises(urllib.error.HTTPError) as refused:  # no token: no answer
+            urllib.request.urlopen(admin + "/engines", timeout=30)
+        assert refused.value.code == 401
         # errors while the run is there: each says what is wrong
         with pytest.raises(EngineError, match="already serves this run"):
             call(run, "add", a.url)

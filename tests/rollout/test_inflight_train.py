@@ -117,7 +117,7 @@ tools_in_prompt = false
 [warmup]
 steps = {warmup}
 batch_size = 16
-lr = 3e-3
+lr = 5e-3
 demonstrations = "inflight_env:demonstrations"
 num_demonstrations = 256
 [rollout]
@@ -179,11 +179,12 @@ def test_train_killed_after_a_checkpoint_resumes_its_inflight_episodes(tmp_path:
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
     # A: the SFT warm start (episodes that stop after a letter), then two async RL steps
-    config_a, out_a = _config(tmp_path, "a", build_model(tmp_path / "model", "micro"), 120)
+    config_a, out_a = _config(tmp_path, "a", build_model(tmp_path / "model", "micro"), 50)
     proc = train(config_a)
     log_a = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, log_a[-4000:]
     warm = out_a / "sft-model"
+    print("run A phases:", (out_a / "timing.json").read_text().replace("\n", " "))
 
     # B: the same RL from the warm model, killed as soon as checkpoint rl-1 is complete
     config_b, out_b = _config(tmp_path, "b", warm, 0)

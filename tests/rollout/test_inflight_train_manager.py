@@ -10,7 +10,7 @@ import json
 import pickle
 
 import pytest
-from rollout_helpers import calc_rows, worker_config
+from rollout_helpers import calc_rows
 
 from palaestra.rollout import DataSource, RolloutConfig, RolloutManager
 
@@ -73,7 +73,7 @@ async def test_async_checkpoint_saves_inflight_groups_and_changes_no_sample(toke
     async with _manager(tokenizer_dir, mode="async") as m:
         await m.generate_batch(0)
         log = m.pool.handles[0].local.engine.log
-        while not any(r.endswith(":1") and r.startswith(("g3/", "g4/")) for r in log):
+        while not any(r.endswith(":1") and r.startswith(("g3/", "g4/")) for r in log if r):
             await asyncio.sleep(0.002)  # until the prefetch of batch 1 is inside a second turn
         state = await m.checkpoint_state()
         entry = state["inflight"]
@@ -100,6 +100,7 @@ async def test_async_checkpoint_saves_inflight_groups_and_changes_no_sample(toke
         got = {**_groups(first), **await _play(resumed, 2, 2)}
         log = list(resumed.pool.handles[0].local.engine.log)
     assert first.metrics["episodes/restored"] == entry["episodes"]
+    assert first.metrics["ledger/unaccounted"] == 0
     assert saved <= set(got)
     for task in saved:
         assert got[task] == expected[task], task
@@ -125,3 +126,67 @@ async def test_sync_exact_mode_has_nothing_in_flight_at_a_checkpoint(tokenizer_d
             state = await m.checkpoint_state()
             assert "inflight" not in state and not state["pending"]
             assert state == m.state_dict()
+
+
+@pytest.mark.slow  # a Ray cluster's start
+async def test_ray_and_local_clients_hand_over_inflight_groups(ray_cluster, tokenizer_dir):
+    """`WorkerClient.inflight_state` of a Ray actor, `restore_inflight` into an in-process
+    worker: the group finishes with the samples of an uninterrupted in-process run."""
+    from palaestra.rollout.cluster import WorkerClient
+    from palaestra.rollout.worker import GroupTask, RolloutWorker
+
+    row = calc_rows(1)[0]
+    task = GroupTask("g1", row["env_id"], row, row["id"], (5, 6, 7))
+
+    async def finish(client: WorkerClient) -> tuple:
+        for _ in range(400):
+            results = await client.exchange((), 0.05)
+            if results:
+                return _groups(type("B", (), {"trajectories": results[0].trajectories})())
+        raise AssertionError("the group never finished")
+
+    reference = WorkerClient(0, local=RolloutWorker(_wc(tokenizer_dir)))
+    try:
+        await reference.exchange([task], 0)
+        expected = await finish(reference)
+    finally:
+        await reference.shutdown()
+    actor = ray_cluster.remote(num_cpus=0.25)(RolloutWorker).remote(_wc(tokenizer_dir), 0)
+    remote = WorkerClient(0, actor=actor)
+    try:
+        await remote.exchange([task], 0.05)  # inside the first turns (0.02 s per request)
+        await remote.close_gate()
+        await remote.pause(abort=False)
+        saved = await remote.inflight_state()
+    finally:
+        ray_cluster.kill(actor)
+    live = [e for g in saved for e in g.live if e is not None]
+    assert live, saved  # started episodes, saved at their last completed turn
+    local = WorkerClient(1, local=RolloutWorker(_wc(tokenizer_dir), 1))
+    try:
+        assert await local.restore_inflight(saved) == len(live)
+        assert await local.resume() == sum(d is None for g in saved for d in g.finished)
+        assert await finish(local) == expected
+    finally:
+        await local.shutdown()
+
+
+async def test_branching_groups_in_flight_restart_from_their_task(tokenizer_dir):
+    """A tree's branches park inside its one task: the checkpoint holds its task (restarted on
+    load, with the same seeds), never a half tree; taking it stalls nothing."""
+    from palaestra.rollout.branching import BranchingConfig
+
+    tree = BranchingConfig(turns=[1], width=2)
+    async with _manager(tokenizer_dir, mode="async", branching=tree) as m:
+        await m.generate_batch(0)
+        log = m.pool.handles[0].local.engine.log
+        while not any((r or "").startswith(("g3", "g4")) for r in log):
+            await asyncio.sleep(0.002)
+        state = await asyncio.wait_for(m.checkpoint_state(), 30)
+        assert state["pending"] and all(p["branching"] for p in state["pending"])
+        assert state["inflight"]["groups"] == 0
+        await m.generate_batch(1)  # the run goes on
+    async with _manager(tokenizer_dir, mode="async", branching=tree) as resumed:
+        resumed.load_state_dict(state)
+        batch = await resumed.generate_batch(1)
+    assert {t.group_id for t in batch.trajectories} <= {p["group_id"] for p in state["pending"]}

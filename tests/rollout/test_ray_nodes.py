@@ -133,7 +133,9 @@ ray.init(address=address)
 b = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("node_b")][0]
 
 async def main():
-    pool = WorkerPool(worker_config(tok, latency_s=0.2), 2, cluster="ray", address=address,
+    # 1 s per generation: the second batch outlasts the kill by seconds, so node b holds
+    # groups in flight when its raylet dies however loaded the machine is
+    pool = WorkerPool(worker_config(tok, latency_s=1.0), 2, cluster="ray", address=address,
                       num_cpus=1)
     await pool.start()
     table = ray._private.state.actors()

@@ -124,6 +124,14 @@ def test_the_flat_spelling_of_earlier_configs_loads_with_a_deprecation_warning()
         assert _cfg(**SERVERS, weight_sync="disk", **flat).engine.weight_sync == DiskSync()
     with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="weight_sync.backend"):
         _cfg(**SERVERS, weight_sync="disk", **{**flat, "sync_backend": "gloo"})
+    # the resume check re-resolves an earlier run's flat config.json to the current spelling
+    from palaestra.trainers.loop import _resolved
+
+    current = _cfg(**SERVERS).model_dump(mode="json")
+    recorded = {**current, "engine": {**{k: v for k, v in current["engine"].items()
+                                         if k != "weight_sync"}, "weight_sync": "auto", **flat}}
+    with pytest.warns(DeprecationWarning):
+        assert _resolved(recorded) == current
 
 
 def test_help_config_lists_every_weight_sync_field_with_the_kinds_that_read_it() -> None:

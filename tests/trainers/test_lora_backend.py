@@ -10,11 +10,11 @@ import torch
 
 pytest.importorskip("peft")
 
-from palaestra.errors import ConfigError  # noqa: E402
-from palaestra.trainers.algorithms.config import LossConfig  # noqa: E402
-from palaestra.trainers.torch_backend.backend import TorchBackend  # noqa: E402
-from palaestra.trainers.torch_backend.config import TorchBackendConfig  # noqa: E402
-from palaestra.trainers.torch_backend.lora import LoraSettings  # noqa: E402
+from palaestra.errors import ConfigError
+from palaestra.trainers.algorithms.config import LossConfig
+from palaestra.trainers.torch_backend.backend import TorchBackend
+from palaestra.trainers.torch_backend.config import TorchBackendConfig
+from palaestra.trainers.torch_backend.lora import LoraSettings
 
 torch.set_num_threads(1)
 

@@ -11,13 +11,13 @@ import torch
 
 pytest.importorskip("peft")
 
-from palaestra.rollout.engines.base import SamplingParams  # noqa: E402
-from palaestra.rollout.engines.local import LocalEngine  # noqa: E402
-from palaestra.trainers.algorithms.config import LossConfig  # noqa: E402
-from palaestra.trainers.engine_sync import EngineSync  # noqa: E402
-from palaestra.trainers.torch_backend.backend import TorchBackend  # noqa: E402
-from palaestra.trainers.torch_backend.config import TorchBackendConfig  # noqa: E402
-from palaestra.trainers.torch_backend.lora import LoraSettings  # noqa: E402
+from palaestra.rollout.engines.base import SamplingParams
+from palaestra.rollout.engines.local import LocalEngine
+from palaestra.trainers.algorithms.config import LossConfig
+from palaestra.trainers.engine_sync import EngineSync
+from palaestra.trainers.torch_backend.backend import TorchBackend
+from palaestra.trainers.torch_backend.config import TorchBackendConfig
+from palaestra.trainers.torch_backend.lora import LoraSettings
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
@@ -66,6 +66,9 @@ async def test_in_process_and_server_syncs_send_the_adapter_only(model_dir: str,
     await remote.start()
     try:
         want = await outputs(reference)
+        base = await outputs(local)  # before the sync: the base model, which the adapter moved
+        assert any(max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) > 1e-3
+                   for g, w in zip(base, want))
         full = sum(t.numel() * 4 for t in backend.state_dict_for_engines().values())
         sync = EngineSync("in_process", local, bucket_bytes=1 << 20)
         stats = await sync.push_now(backend, 1)

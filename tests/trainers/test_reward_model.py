@@ -25,7 +25,7 @@ def _make_pairs():
         "make_rm_example_data", REPO / "scripts" / "make_rm_example_data.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module.make_pairs
+    return module.make_calculator_pairs
 
 
 def _rm_config(tmp_path: Path, dataset: Path, **changes) -> TrainConfig:

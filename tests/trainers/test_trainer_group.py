@@ -46,6 +46,8 @@ def batch(seed: int, n: int = 10) -> TrainBatch:
 
 @pytest.fixture(scope="module")
 def ray_local():
+    if ray.is_initialized():  # another folder's session cluster (tests/rollout's): size our own
+        ray.shutdown()
     ray.init(num_cpus=4, include_dashboard=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     yield

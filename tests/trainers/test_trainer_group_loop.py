@@ -39,6 +39,19 @@ def _run(out: Path, *extra: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
     return rl, weights
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _own_ray_cluster():
+    """The group starts its own local Ray cluster sized for its ranks; a session cluster left
+    up by another folder's tests (tests/rollout's, 2 CPUs, its actors alive) cannot hold them."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    yield
+    if ray.is_initialized():
+        ray.shutdown()
+
+
 @pytest.mark.slow
 def test_quickstart_dp2_matches_one_rank(tmp_path):
     cfg = load_config(TrainConfig, REPO / "configs/quickstart_dp2.toml")

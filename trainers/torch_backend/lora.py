@@ -117,7 +117,6 @@ def adapter_config(model: Any) -> dict[str, Any]:
 def merged_state_dict(model: Any, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The base model's weights with the adapter merged (``W + s B A``) under Hugging Face
     names, as a snapshot; the wrapped model is left unchanged."""
-    import torch
 
     base = model.get_base_model()
     out: dict[str, torch.Tensor] = {}

@@ -11,10 +11,10 @@ import torch
 
 pytest.importorskip("peft")
 
-from palaestra.errors import EngineError  # noqa: E402
-from palaestra.rollout.engines.base import SamplingParams  # noqa: E402
-from palaestra.rollout.engines.local import LocalEngine  # noqa: E402
-from palaestra.rollout.engines.lora import LoraAdapter  # noqa: E402
+from palaestra.errors import EngineError
+from palaestra.rollout.engines.base import SamplingParams
+from palaestra.rollout.engines.local import LocalEngine
+from palaestra.rollout.engines.lora import LoraAdapter
 
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = [[5, 17, 42, 9], [100, 3, 77], [8, 8, 19, 250, 31, 2], [64, 1]]
@@ -65,8 +65,9 @@ def assert_same(got, want) -> None:
 @pytest.mark.parametrize("mode", ["merged", "lowrank"])
 async def test_synced_adapter_matches_the_merged_model(model_dir: str, adapters, mode: str
                                                        ) -> None:
-    from safetensors.torch import load_file
     import json
+
+    from safetensors.torch import load_file
 
     adapter_dir, merged_dir = adapters["b"]
     state = load_file(str(adapter_dir / "adapter_model.safetensors"))

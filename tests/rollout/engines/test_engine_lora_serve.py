@@ -11,12 +11,12 @@ import pytest
 
 pytest.importorskip("peft")
 
-from palaestra.errors import EngineError  # noqa: E402
-from palaestra.rollout.engines.local import LocalEngine  # noqa: E402
-from palaestra.rollout.engines.serve import start_server  # noqa: E402
-from palaestra.rollout.engines.sglang import SGLangClient  # noqa: E402
+from test_engine_lora import GREEDY, PROMPTS, assert_same, make_adapter
 
-from test_engine_lora import GREEDY, PROMPTS, assert_same, make_adapter  # noqa: E402
+from palaestra.errors import EngineError
+from palaestra.rollout.engines.local import LocalEngine
+from palaestra.rollout.engines.serve import start_server
+from palaestra.rollout.engines.sglang import SGLangClient
 
 
 @pytest.fixture(scope="module")
