@@ -36,12 +36,7 @@ DEFAULT_COLOCATE=0
 case "${PALAESTRA_ALGO:-grpo}" in
   grpo) CONFIG="${CONFIG:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/configs/search_r1_grpo.toml}" ;;
   ppo)
-    CONFIG="${CONFIG:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/configs/search_r1_ppo.toml}"
-    if [[ "${PALAESTRA_BACKEND:-torch}" == megatron ]]; then
-      echo "$0: PPO trains a critic, which the Megatron backend does not do yet; use" \
-           "PALAESTRA_BACKEND=torch" >&2
-      exit 2
-    fi ;;
+    CONFIG="${CONFIG:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/configs/search_r1_ppo.toml}" ;;
   *) echo "$0: PALAESTRA_ALGO must be grpo or ppo (got $PALAESTRA_ALGO)" >&2; exit 2 ;;
 esac
 RETRIEVER_PORT="${RETRIEVER_PORT:-8000}"
