@@ -212,6 +212,7 @@ def _tools_env_class() -> type:
 
         def fork(self) -> Any:
             clone = super().fork()
+            assert isinstance(clone, VerifiersToolsEnv)  # Env.fork copies the instance's class
             clone._process = None  # the copy starts its own server; the original keeps its own
             return clone
 
