@@ -197,8 +197,13 @@ class WorkerPool:
         if actors:
             import ray
 
+            if not ray.is_initialized():  # the cluster is gone already, and its actors with it
+                return
             for actor in actors:
-                ray.kill(actor)
+                try:
+                    ray.kill(actor)
+                except (ray.exceptions.RayError, ValueError):
+                    pass  # dead already, or a handle of an earlier Ray session: nothing to stop
             if self._started_ray:
                 ray.shutdown()
 
