@@ -148,8 +148,7 @@ class MLADecoder(Decoder):
                 layer.down_w = new(h, c.intermediate_size)
             self.layers.append(layer)
         self.last_routes: list[torch.Tensor | None] = [None] * c.num_layers
-        self._views, self._reshape = self._build_views()
-        self._aliases = self._build_aliases()
+        self._index_weights()
         cos, sin = _rope_tables(hf, c, self.device, dtype)  # [positions, rope_dim]
         half = self.rope_dim // 2
         self.cos, self.sin = cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
@@ -159,6 +158,10 @@ class MLADecoder(Decoder):
         self.scale = module.yarn_apply_mscale(dict(hf.rope_parameters or {}), dk**-0.5)
 
     # ------------------------------------------------------------------------ weights
+    def _index_weights(self) -> None:
+        self._views, self._reshape = self._build_views()
+        self._aliases = self._build_aliases()
+
     def _build_views(self) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:  # type: ignore[override]
         c = self.config
         views: dict[str, Any] = {"model.embed_tokens.weight": self.embed,
@@ -203,37 +206,6 @@ class MLADecoder(Decoder):
                              and tensor.numel() == _numel(shape) else tensor)
 
         return super().load_weights(shaped(), strict=strict)
-
-    def to_device(self, device: Any) -> None:
-        import torch
-
-        device = torch.device(device)
-        if device == self.device:
-            return
-        tied = self.lm_head is self.embed
-        with torch.inference_mode():
-            self.embed = self.embed.to(device)
-            self.lm_head = self.embed if tied else self.lm_head.to(device)
-            self.final_norm = self.final_norm.to(device)
-            for layer in self.layers:
-                for name in _SLOTS:
-                    t = getattr(layer, name)
-                    if t is not None:
-                        setattr(layer, name, t.to(device))
-            self.cos, self.sin = self.cos.to(device), self.sin.to(device)
-        self.device = device
-        self._views, self._reshape = self._build_views()
-        self._aliases = self._build_aliases()
-
-    def num_bytes(self) -> int:
-        seen = {t.data_ptr(): t.numel() * t.element_size()
-                for t in (self.embed, self.lm_head, self.final_norm)}
-        for layer in self.layers:
-            for name in _SLOTS:
-                t = getattr(layer, name)
-                if t is not None:
-                    seen[t.data_ptr()] = t.numel() * t.element_size()
-        return sum(seen.values())
 
     @classmethod
     def config_from_hf(cls, hf: Any) -> DecoderConfig:

@@ -180,12 +180,16 @@ class Decoder:
             self.layers.append(layer)
         #: expert ids ``[N, K]`` each sparse layer chose in the last forward (None on dense ones)
         self.last_routes: list[torch.Tensor | None] = [None] * c.num_layers
-        self._views = self._build_views()
-        self._aliases = self._build_aliases()
+        self._index_weights()
         self.cos, self.sin = _rope_tables(hf_config, c, self.device, dtype)
         half = c.head_dim // 2  # rotate_half(x) * sin == swap_halves(x) * (sin with -first half)
         self.sin = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
         self.scale = c.head_dim**-0.5
+
+    def _index_weights(self) -> None:
+        """Map HF names to the tensors holding them (after building or moving the weights)."""
+        self._views = self._build_views()
+        self._aliases = self._build_aliases()
 
     def _build_views(self) -> dict[str, torch.Tensor]:
         """HF parameter name -> the tensor (or fused slice) that holds it."""
@@ -257,14 +261,13 @@ class Decoder:
             self.lm_head = self.embed if tied else self.lm_head.to(device)
             self.final_norm = self.final_norm.to(device)
             for layer in self.layers:
-                for name in _Layer.__slots__:
+                for name in type(layer).__slots__:  # subclasses bring their own layer kind
                     t = getattr(layer, name)
                     if t is not None:
                         setattr(layer, name, t.to(device))
             self.cos, self.sin = self.cos.to(device), self.sin.to(device)
         self.device = device
-        self._views = self._build_views()
-        self._aliases = self._build_aliases()
+        self._index_weights()
 
     # ----------------------------------------------------------------------------- weights
     @property
@@ -281,7 +284,7 @@ class Decoder:
         for t in (self.lm_head, self.final_norm):
             seen[t.data_ptr()] = t.numel() * t.element_size()
         for layer in self.layers:
-            for name in _Layer.__slots__:
+            for name in type(layer).__slots__:
                 t = getattr(layer, name)
                 if t is not None:
                     seen[t.data_ptr()] = t.numel() * t.element_size()

@@ -110,3 +110,20 @@ async def test_engine_greedy_and_routes_match_hf() -> None:
                                    ref_ids[:-1].sort(-1).values)
     finally:
         await engine.close()
+
+
+def test_moving_and_sizing_cover_every_mla_weight() -> None:
+    """`Decoder.to_device` / `num_bytes` walk the layer's own slots (MLA layers have other ones)
+    and re-index the weights, reshaped MLA views included."""
+    from palaestra.rollout.engines.deepseek import _SLOTS
+
+    dec = Decoder.from_hf_model(_hf(seed=2))
+    tensors = {id(t): t for t in (dec.embed, dec.lm_head, dec.final_norm)}
+    for layer in dec.layers:
+        tensors.update({id(t): t for t in (getattr(layer, n) for n in _SLOTS) if t is not None})
+    assert dec.num_bytes() == sum(t.numel() * t.element_size() for t in tensors.values())
+    name = next(n for n in dec.weight_names if n in dec._reshape)  # a view MLA reshapes
+    dec.to_device("meta")
+    assert all(getattr(layer, n) is None or getattr(layer, n).device.type == "meta"
+               for layer in dec.layers for n in _SLOTS)
+    assert dec.weight(name).device.type == "meta" and dec.cos.device.type == "meta"
