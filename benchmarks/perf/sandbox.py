@@ -39,9 +39,10 @@ def _plan(program: str, conc: int, quick: bool) -> tuple[int, float]:
     return max(2 * conc, 8 if quick else 16), (6.0 if quick else 15.0)
 
 
-async def _drive(one: Callable[[], Awaitable[bool]], conc: int, n_max: int,
-                 budget_s: float) -> dict[str, Any]:
-    """Run ``one`` with ``conc`` in flight until n_max executions or the time budget."""
+async def drive_concurrently(one: Callable[[], Awaitable[bool]], conc: int, n_max: int,
+                             budget_s: float) -> tuple[list[float], float, int]:
+    """Run ``one`` with ``conc`` in flight until n_max executions or the time budget:
+    (latencies in s, elapsed s, failures)."""
     lat: list[float] = []
     failures = 0
     started = 0
@@ -57,7 +58,13 @@ async def _drive(one: Callable[[], Awaitable[bool]], conc: int, n_max: int,
             failures += not ok
 
     await asyncio.gather(*(worker() for _ in range(conc)))
-    elapsed = time.perf_counter() - t0
+    return lat, time.perf_counter() - t0, failures
+
+
+async def _drive(one: Callable[[], Awaitable[bool]], conc: int, n_max: int,
+                 budget_s: float) -> dict[str, Any]:
+    """`drive_concurrently`, summarised: throughput, p50/p99/mean latency, failures."""
+    lat, elapsed, failures = await drive_concurrently(one, conc, n_max, budget_s)
     lat.sort()
     return {"n": len(lat), "per_s": len(lat) / elapsed if elapsed else 0.0,
             "p50_ms": 1e3 * lat[len(lat) // 2] if lat else None,

@@ -65,22 +65,9 @@ def _cpu_now(sb: Any) -> float:
 
 async def _drive(one: Callable[[], Awaitable[bool]], conc: int, n_max: int,
                  budget_s: float) -> dict[str, Any]:
-    lat: list[float] = []
-    failures = 0
-    started = 0
-    t0 = time.perf_counter()
+    from palaestra.benchmarks.perf.sandbox import drive_concurrently
 
-    async def worker() -> None:
-        nonlocal started, failures
-        while started < n_max and time.perf_counter() - t0 < budget_s:
-            started += 1
-            t = time.perf_counter()
-            ok = await one()
-            lat.append(time.perf_counter() - t)
-            failures += not ok
-
-    await asyncio.gather(*(worker() for _ in range(conc)))
-    return _stats(lat, time.perf_counter() - t0, failures)
+    return _stats(*await drive_concurrently(one, conc, n_max, budget_s))
 
 
 async def _fork_row(sb: Any, n: int) -> dict[str, Any]:
