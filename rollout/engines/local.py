@@ -654,9 +654,9 @@ class LocalEngine:
         except Exception as exc:  # e.g. out of memory: fail these requests, keep serving
             import torch
 
+            with torch.inference_mode(), self._on_stream():
+                self._compact(reqs)  # a prefill's requests hold no running slot yet: no-op
             for req in reqs:
-                with torch.inference_mode(), self._on_stream():
-                    self._release_slot_of(req)
                 self._fail(req, EngineError(f"generation failed: {type(exc).__name__}: {exc}"))
             return
         self._after_step(reqs, tokens, logprobs)
@@ -956,18 +956,6 @@ class LocalEngine:
         running[:] = compacted
         for req in leaving:
             req.slot = -1
-
-    def _release_slot_of(self, req: LocalRequest) -> None:
-        if req not in self._running:
-            req.slot = -1
-            return
-        last = self._running[-1]
-        if last is not req:
-            self.cache.move(last.slot, req.slot, last.kv_len)
-            self._running[req.slot] = last
-            last.slot = req.slot
-        self._running.pop()
-        req.slot = -1
 
     def _finish(self, req: LocalRequest, reason: str, detail: dict[str, Any]) -> None:
         self._by_id.pop(req.request_id, None)

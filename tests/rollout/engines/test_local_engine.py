@@ -339,3 +339,30 @@ async def test_samples_of_one_prompt_share_its_prefill(engine: LocalEngine) -> N
         assert (await fresh.generate(prompt, params)).token_ids == gens[0].token_ids
     finally:
         await fresh.close()
+
+
+async def test_a_failed_decode_fails_its_requests_and_the_engine_serves_on(model_dir: str) -> None:
+    """A decode step that raises (out of memory, a bad logits processor) fails the requests of
+    that step, frees their slots, and the next requests run as on a fresh engine."""
+    eng = LocalEngine(model_dir)
+    calls = []
+
+    def explode(logits, reqs) -> None:
+        calls.append(len(reqs))
+        if len(calls) == 2:  # the first decode step after the prefill
+            raise RuntimeError("simulated out of memory")
+
+    try:
+        batch = prompts(3, seed=21)
+        reference = await eng.generate(batch[0], GREEDY)
+        eng.logits_processors.append(explode)
+        failed = await asyncio.gather(*(eng.generate(p, GREEDY) for p in batch),
+                                      return_exceptions=True)
+        assert all(isinstance(f, EngineError) and "simulated out of memory" in str(f)
+                   for f in failed), failed
+        assert eng._running == [] and eng.stats["finished"] == 1
+        eng.logits_processors.remove(explode)
+        again = await eng.generate(batch[0], GREEDY)
+        assert again.token_ids == reference.token_ids
+    finally:
+        await eng.close()
