@@ -182,6 +182,10 @@ class EngineSection(Section):
     """Device of the embedded engine (None: CUDA if available, else CPU)."""
     max_running: int = Field(256, ge=1)
     """Requests decoded together by the embedded engine."""
+    decode_steps: int | None = Field(None, ge=1)
+    """Decode steps the embedded engine runs between two host syncs (None: 8 on CUDA, 1 on CPU):
+    more hide more of the scheduler's Python behind the GPU; a request that stops mid-call
+    wastes at most this many minus one positions."""
     weight_sync: Annotated[WeightSyncSettings, Discriminator(_sync_kind)] = Field(
         default_factory=AutoSync)
     """How new weights reach the engines after each step (``[engine.weight_sync] kind``).

@@ -207,6 +207,7 @@ class RLRun:
         self.admin: AdminServer | None = None
         self.elastic: ElasticEngines | None = None
         self.evaluator: TrainingEvaluation | None = None
+        self._engine_seen: dict[str, float] = {}  # engine stats at the last step's end
 
     @classmethod
     async def setup(cls, cfg: TrainConfig, run: RunDir, policy_path: Path, spec: AgentSpec,
@@ -322,6 +323,7 @@ class RLRun:
                               rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
                               warmup_steps=cfg.warmup.steps)
         record.update(self.sync.metrics())
+        record.update(self._engine_deltas())
         if elastic is not None:  # engines/count, added, removed, requests per engine
             record.update(elastic.metrics())
         if ppo is not None:  # the PPO breakdown: time/values_s, time/actor_update_s, ...
@@ -339,6 +341,18 @@ class RLRun:
                 and step + 1 < cfg.trainer.steps:
             await evaluate_stage(cfg, run, self.engine, self.spec, f"step-{step + 1}", step + 1)
         await self.checkpoint(step + 1)
+
+    def _engine_deltas(self) -> dict[str, float]:
+        """The embedded engine's scheduler this step (``engine/decode_s``, ``engine/host_s``,
+        steps and tokens): how much of the rollout the GPU computed and how much it waited."""
+        stats = getattr(self.engine, "stats", None)
+        if not isinstance(stats, dict):  # servers: their own /get_server_info
+            return {}
+        keys = ("prefill_s", "decode_s", "host_s", "active_s", "decode_calls", "decode_steps",
+                "prefill_steps", "prefill_tokens", "generated_tokens")
+        now = {k: float(stats[k]) for k in keys if isinstance(stats.get(k), (int, float))}
+        before, self._engine_seen = self._engine_seen, now
+        return {f"engine/{k}": v - before.get(k, 0.0) for k, v in now.items()}
 
     async def _advantages(self, samples: Sequence[Sample], step: int
                           ) -> tuple[TrainBatch, PPOStepResult | None]:

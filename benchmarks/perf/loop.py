@@ -64,6 +64,10 @@ STEP_KEYS = {
     "backend_train_s": "train/step_time_s", "parked": "episodes/parked",
     "resumed": "episodes/resumed", "reward": "reward_mean",
     "response_len": "response_length_mean",
+    # the embedded engine's scheduler (see LocalEngine.stats): compute calls vs the rest
+    "engine_decode_s": "engine/decode_s", "engine_prefill_s": "engine/prefill_s",
+    "engine_host_s": "engine/host_s", "decode_calls": "engine/decode_calls",
+    "decode_steps": "engine/decode_steps", "prefill_steps": "engine/prefill_steps",
 }
 
 
@@ -282,8 +286,9 @@ def _f(v: Any, digits: int = 2) -> str:
 
 
 HEADER = ("| shape | backend | mode | variant | step s | rollout s | logprobs s | train s | "
-          "sync s | idle GPU s | tokens/s | MFU | MFU (nominal N) | micro-batches | parked | "
-          "peak GiB |\n|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "sync s | idle GPU s | engine decode / prefill / host s | decode calls | tokens/s | MFU | "
+          "MFU (nominal N) | micro-batches | parked | peak GiB |\n"
+          "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def row(c: dict[str, Any]) -> str:
@@ -293,6 +298,8 @@ def row(c: dict[str, Any]) -> str:
     return (f"| {c['shape']} | {c['backend']} | {c['mode']} | {c['variant']} | "
             f"{_f(c['step_s'])} | {_f(c['rollout_s'])} | {_f(c['logprobs_s'])} | "
             f"{_f(c['train_s'])} | {_f(c['weight_sync_s'], 3)} | {_f(c['idle_gpu_s'])} | "
+            f"{_f(c.get('engine_decode_s'))} / {_f(c.get('engine_prefill_s'))} / "
+            f"{_f(c.get('engine_host_s'))} | {_f(c.get('decode_calls'), 0)} | "
             f"{_f(c['tokens_per_s'], 0)} | {pct(c['mfu'])} | {pct(c.get('mfu_nominal'))} | "
             f"{_f(c['micro_batches'], 0)} | {_f(c['parked'], 0)} | "
             f"{_f(c.get('peak_allocated_gib'), 1)} |")

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from palaestra.errors import ConfigError, EngineError
 from palaestra.rollout.engines.base import EngineUnavailableError, Generation, SamplingParams
 from palaestra.rollout.engines.prefix_cache import PrefixCache, PrefixEntry, common_prefix_len
+from palaestra.rollout.engines.sampling import RowSampler
 
 if TYPE_CHECKING:
     import torch
@@ -81,9 +82,7 @@ class _SamplingPlan:
     """Per-call sampling inputs of a batch (see `LocalEngine._sampling_plan`)."""
 
     biases: list[tuple[Any, Any, Any]]  # (row, token ids, values) on the device
-    temperatures: list[float]
-    top_ps: list[float]
-    top_ks: list[int]
+    sampler: RowSampler  # the batch's per-row settings, on the device once per call
     uniforms: Any  # [k, B] float32 on the device, None when every row is greedy
 
 
@@ -94,6 +93,20 @@ class StreamChunk:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     generation: Generation | None = None
+
+
+def _attention_backends(device: Any) -> contextlib.AbstractContextManager[Any]:
+    """SDPA without the cuDNN backend on CUDA. Prefill shapes are nearly all new (requests x
+    new tokens x key length) and SDPA's default choice on an H200 spent its time on the host
+    for each of them: in the issue-22 loop the prefill forwards took 65 ms per prefill step with it and
+    23 ms without (`benchmarks/perf/loop.py`, ~16 prefill steps per RL step), while the GPU
+    waited. Flash and memory-efficient kernels take any shape at once."""
+    if getattr(device, "type", device) != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.MATH])
 
 
 def _longest_shared(admitted: list[tuple[tuple[int, ...], LocalRequest]],
@@ -221,6 +234,10 @@ class LocalEngine:
         self.counters: dict[str, int] = dict.fromkeys(
             ("requests", "finished", "aborted", "prompt_tokens", "prefill_tokens",
              "cached_tokens", "generated_tokens", "prefill_steps", "decode_steps", "decode_calls"), 0)
+        # where the scheduler's wall time goes while it has work: prefill and decode compute
+        # calls (launch to results on the host), and the rest (admission, bookkeeping, the
+        # episodes' own coroutines on this event loop): the GPU waits through that rest
+        self.timers: dict[str, float] = dict.fromkeys(("prefill_s", "decode_s", "active_s"), 0.0)
 
     # ------------------------------------------------------------------------------- protocol
     #: `update_weights` applies between two decode steps while requests keep running, so a
@@ -232,9 +249,14 @@ class LocalEngine:
         return self._version
 
     @property
-    def stats(self) -> dict[str, int]:
-        """Counters (a copy): prefill_tokens are computed prompt tokens, cached_tokens reused ones."""
-        out = dict(self.counters)
+    def stats(self) -> dict[str, float]:
+        """Counters (a copy): prefill_tokens are computed prompt tokens, cached_tokens reused ones;
+        ``*_s`` the scheduler's seconds in prefill and decode calls, ``host_s`` the rest of the
+        time it had work."""
+        out: dict[str, float] = dict(self.counters)
+        out.update(self.timers)
+        out["host_s"] = max(0.0, self.timers["active_s"] - self.timers["prefill_s"]
+                            - self.timers["decode_s"])
         out.update(
             running=len(self._running),
             waiting=len(self._waiting),
@@ -614,7 +636,7 @@ class LocalEngine:
         import torch
 
         def call() -> Any:
-            with torch.inference_mode(), self._on_stream():
+            with torch.inference_mode(), self._on_stream(), _attention_backends(self.device):
                 return fn(*args)
 
         if self._executor is None:
@@ -629,6 +651,7 @@ class LocalEngine:
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
+                began = time.perf_counter()
                 async with self._lock:
                     if self._paused:
                         continue
@@ -639,6 +662,7 @@ class LocalEngine:
                     if self._running and not self._paused:
                         await self._step(self._decode, list(self._running))
                 await asyncio.sleep(0)
+                self.timers["active_s"] += time.perf_counter() - began
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # a scheduler bug: fail everything loudly, stay unhealthy
@@ -649,6 +673,7 @@ class LocalEngine:
 
     async def _step(self, kind: Callable[[list[LocalRequest]], Any],
                     reqs: list[LocalRequest]) -> None:
+        began = time.perf_counter()
         try:
             tokens, logprobs = await self._compute(kind, reqs)
         except Exception as exc:  # e.g. out of memory: fail these requests, keep serving
@@ -659,6 +684,9 @@ class LocalEngine:
             for req in reqs:
                 self._fail(req, EngineError(f"generation failed: {type(exc).__name__}: {exc}"))
             return
+        finally:
+            timer = "prefill_s" if kind == self._prefill else "decode_s"
+            self.timers[timer] += time.perf_counter() - began
         self._after_step(reqs, tokens, logprobs)
 
     def _reap_aborted(self) -> None:
@@ -844,19 +872,17 @@ class LocalEngine:
                 uniforms[:, rows] = torch.stack([torch.rand(k, generator=g) for _, g in seeded],
                                                 dim=1)
             uniforms = uniforms.to(dev)  # one host-to-device copy per call
-        return _SamplingPlan(biases, [p.temperature for p in params], [p.top_p for p in params],
-                             [p.top_k for p in params], uniforms)
+        sampler = RowSampler([p.temperature for p in params], [p.top_p for p in params],
+                             [p.top_k for p in params], self.decoder.config.vocab_size, dev)
+        return _SamplingPlan(biases, sampler, uniforms)
 
     def _sample_device(self, logits: torch.Tensor, reqs: list[LocalRequest],
                        plan: _SamplingPlan, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        from palaestra.rollout.engines.sampling import sample_rows
-
         for row, ids, vals in plan.biases:
             logits[row].index_add_(0, ids, vals)
         for proc in self.logits_processors:
             proc(logits, reqs)
-        return sample_rows(logits, plan.temperatures, plan.top_ps, plan.top_ks,
-                           None if plan.uniforms is None else plan.uniforms[step])
+        return plan.sampler.sample(logits, None if plan.uniforms is None else plan.uniforms[step])
 
     # --------------------------------------------------------------- bookkeeping (event loop)
     def _after_step(self, reqs: list[LocalRequest], tokens: list[list[int]],

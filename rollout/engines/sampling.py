@@ -39,6 +39,77 @@ def token_logprobs(
     return logp.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
 
 
+class RowSampler:
+    """What sampling a batch needs, built once per batch and reused for every decode step.
+
+    The per-row Python (which rows are greedy, which filter, their temperatures, top-k and
+    top-p) and its host-to-device copies run once per engine call instead of once per step: at
+    a batch of 256 they cost more host time than the sampling kernels take on the GPU.
+    ``temperatures[b] == 0`` (or ``top_ks[b] == 1``) picks the argmax.
+    """
+
+    def __init__(self, temperatures: Sequence[float], top_ps: Sequence[float],
+                 top_ks: Sequence[int], vocab: int, device: torch.device | str,
+                 dtype: torch.dtype | None = None) -> None:
+        import torch
+
+        greedy = [t < 1e-6 or k == 1 for t, k in zip(temperatures, top_ks)]
+        self.vocab = vocab
+        self.all_greedy = all(greedy)
+        self.any_greedy = any(greedy)
+        self.needs_filter = any(
+            not g and (0 < k < vocab or p < 1.0) for g, k, p in zip(greedy, top_ks, top_ps))
+        dtype = dtype or torch.float32
+        self.temps = torch.tensor([1.0 if g else t for g, t in zip(greedy, temperatures)],
+                                  dtype=dtype).to(device, non_blocking=True)
+        self.greedy_mask = torch.tensor(greedy).to(device) if self.any_greedy else None
+        self.ks = self.ps = None
+        if self.needs_filter:
+            self.ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks]).to(device)
+            self.ps = torch.tensor(list(top_ps), dtype=dtype).to(device)
+
+    def sample(self, logits: torch.Tensor, uniforms: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row of ``logits`` ``[B, V]`` (float32); returns (tokens, logprobs).
+
+        ``uniforms`` holds one number in [0, 1) per row (ignored for greedy rows; may be None
+        when every row is greedy).
+        """
+        import torch
+
+        vocab = self.vocab
+        if self.all_greedy:
+            tokens = logits.argmax(dim=-1)
+            # logit - logsumexp: one read of the logits, no [B, V] log_softmax written
+            logp = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+            return tokens, logp
+        logp_all = torch.log_softmax(logits / self.temps[:, None].to(logits.dtype), dim=-1)
+        probs = logp_all.exp()
+        assert uniforms is not None, "uniforms are required when a row samples"
+        u = uniforms.to(device=logits.device, dtype=logits.dtype)
+        if self.needs_filter:
+            assert self.ks is not None and self.ps is not None
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            ranks = torch.arange(vocab, device=logits.device)
+            keep = ranks[None, :] < self.ks[:, None]
+            # top-p: keep the smallest prefix whose mass reaches p (the first token always stays)
+            before = sorted_p.cumsum(dim=-1) - sorted_p
+            keep &= before < self.ps[:, None].to(logits.dtype)
+            cdf = torch.where(keep, sorted_p, torch.zeros_like(sorted_p)).cumsum(dim=-1)
+            pos = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+            # ``keep`` is a prefix of the sorted order: never step past its last token (rounding)
+            pos = torch.minimum(pos, keep.sum(dim=-1, keepdim=True) - 1)
+            sampled = order.gather(1, pos).squeeze(1)
+        else:
+            cdf = probs.cumsum(dim=-1)
+            pos = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(
+                max=vocab - 1)
+            sampled = pos.squeeze(1)
+        if self.greedy_mask is not None:
+            sampled = torch.where(self.greedy_mask, logits.argmax(dim=-1), sampled)
+        return sampled, logp_all.gather(1, sampled[:, None]).squeeze(1)
+
+
 def sample_rows(
     logits: torch.Tensor,
     temperatures: Sequence[float],
@@ -48,50 +119,11 @@ def sample_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` ``[B, V]`` (float32); returns (tokens, logprobs).
 
-    ``temperatures[b] == 0`` (or ``top_ks[b] == 1``) picks the argmax. ``uniforms`` holds one
-    number in [0, 1) per row (ignored for greedy rows; may be None when every row is greedy).
+    One step of `RowSampler` (see there); an engine that samples the same batch for several
+    steps builds the sampler once.
     """
-    import torch
-
-    batch, vocab = logits.shape
-    greedy = [t < 1e-6 or k == 1 for t, k in zip(temperatures, top_ks)]
-    if all(greedy):
-        tokens = logits.argmax(dim=-1)
-        # logit - logsumexp: one read of the logits, no [B, V] log_softmax written
-        logp = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-        return tokens, logp
-    temps = torch.tensor(
-        [1.0 if g else t for g, t in zip(greedy, temperatures)], dtype=logits.dtype
-    ).to(logits.device, non_blocking=True)
-    logp_all = torch.log_softmax(logits / temps[:, None], dim=-1)
-    probs = logp_all.exp()
-    assert uniforms is not None, "uniforms are required when a row samples"
-    u = uniforms.to(device=logits.device, dtype=logits.dtype)
-    needs_filter = any(
-        not g and (0 < k < vocab or p < 1.0) for g, k, p in zip(greedy, top_ks, top_ps)
-    )
-    if needs_filter:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks], device=logits.device)
-        ps = torch.tensor(list(top_ps), dtype=logits.dtype, device=logits.device)
-        ranks = torch.arange(vocab, device=logits.device)
-        keep = ranks[None, :] < ks[:, None]
-        # top-p: keep the smallest prefix whose mass reaches p (the first token always stays)
-        before = sorted_p.cumsum(dim=-1) - sorted_p
-        keep &= before < ps[:, None]
-        cdf = torch.where(keep, sorted_p, torch.zeros_like(sorted_p)).cumsum(dim=-1)
-        pos = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
-        # ``keep`` is a prefix of the sorted order: never step past its last token (rounding)
-        pos = torch.minimum(pos, keep.sum(dim=-1, keepdim=True) - 1)
-        sampled = order.gather(1, pos).squeeze(1)
-    else:
-        cdf = probs.cumsum(dim=-1)
-        pos = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
-        sampled = pos.squeeze(1)
-    if any(greedy):
-        mask = torch.tensor(greedy, device=logits.device)
-        sampled = torch.where(mask, logits.argmax(dim=-1), sampled)
-    return sampled, logp_all.gather(1, sampled[:, None]).squeeze(1)
+    return RowSampler(temperatures, top_ps, top_ks, logits.shape[-1], logits.device,
+                      logits.dtype).sample(logits, uniforms)
 
 
-__all__ = ["sample_rows", "token_logprobs"]
+__all__ = ["RowSampler", "sample_rows", "token_logprobs"]

@@ -366,3 +366,32 @@ async def test_a_failed_decode_fails_its_requests_and_the_engine_serves_on(model
         assert again.token_ids == reference.token_ids
     finally:
         await eng.close()
+
+
+async def test_stats_split_the_schedulers_time(engine: LocalEngine) -> None:
+    """Prefill and decode calls are timed, and the rest of the busy time is host_s."""
+    before = engine.stats
+    await asyncio.gather(*(engine.generate(p, SamplingParams(max_new_tokens=6, temperature=0.0))
+                           for p in prompts(3)))
+    after = engine.stats
+    spent = {k: after[k] - before[k] for k in ("prefill_s", "decode_s", "active_s")}
+    assert spent["prefill_s"] > 0 and spent["decode_s"] > 0
+    assert spent["active_s"] >= spent["prefill_s"] + spent["decode_s"]
+    assert after["host_s"] >= 0
+    assert after["decode_calls"] > before["decode_calls"]
+
+
+def test_row_sampler_reused_across_steps_equals_fresh_sampling() -> None:
+    """One RowSampler for many steps draws what a fresh sample_rows call per step draws."""
+    from palaestra.rollout.engines.sampling import RowSampler, sample_rows
+
+    gen = torch.Generator().manual_seed(3)
+    temps, top_ps, top_ks = [0.0, 0.7, 1.0, 1.3], [1.0, 0.9, 1.0, 0.5], [-1, -1, 5, -1]
+    sampler = RowSampler(temps, top_ps, top_ks, 50, "cpu")
+    for _ in range(5):
+        logits = torch.randn(4, 50, generator=gen)
+        u = torch.rand(4, generator=gen)
+        tokens, logprobs = sampler.sample(logits.clone(), u)
+        ref_tokens, ref_logprobs = sample_rows(logits, temps, top_ps, top_ks, u)
+        assert torch.equal(tokens, ref_tokens)
+        assert torch.allclose(logprobs, ref_logprobs)
