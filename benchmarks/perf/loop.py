@@ -318,7 +318,7 @@ def verdicts(cells: list[dict[str, Any]]) -> list[str]:
         advice = "overlap pays" if speedup >= 1.15 else (
             "overlap does not pay on one device: put the engine and the trainer on separate "
             "GPUs (disaggregated layout, engine.kind = 'sglang' or `palaestra serve`)")
-        lines.append(f"{shape} {backend} {variant}: async {speedup:.2f}x sync: {advice}")
+        lines.append(f"{shape} {backend} {variant}: async {speedup:.3f}x sync: {advice}")
     return lines
 
 
