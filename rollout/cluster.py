@@ -97,6 +97,12 @@ class WorkerClient:
             return await self.local.update_weights(version, state_dict, path)
         await self.actor.update_weights.remote(version, state_dict, path)
 
+    async def set_engine_urls(self, urls: Sequence[str], drain_timeout_s: float = 60.0
+                              ) -> dict[str, float]:
+        if self.local is not None:
+            return await self.local.set_engine_urls(urls, drain_timeout_s)
+        return dict(await self.actor.set_engine_urls.remote(list(urls), drain_timeout_s))
+
     async def stats(self) -> dict[str, Any]:
         if self.local is not None:
             return await self.local.stats()
@@ -184,6 +190,23 @@ class WorkerPool:
         """Build envs and agents for ``episodes`` concurrent episodes, spread over the workers."""
         share = -(-episodes // max(len(self.handles), 1))
         await asyncio.gather(*(h.prewarm(env_id, share) for h in self.handles))
+
+    async def set_engine_urls(self, urls: Sequence[str], drain_timeout_s: float = 60.0
+                              ) -> dict[str, float]:
+        """Every worker routes over ``urls`` from now on (`RolloutWorker.set_engine_urls`);
+        the requests drained off removed engines, summed."""
+        from dataclasses import replace
+
+        wc = self.worker_config
+        self.worker_config = replace(wc, engine=replace(wc.engine, urls=tuple(urls)))
+        results = await asyncio.gather(*(h.set_engine_urls(urls, drain_timeout_s)
+                                         for h in self.handles), return_exceptions=True)
+        out = {"finished": 0.0, "retried": 0.0}
+        for r in results:  # a dead worker is the manager's to notice at its next exchange
+            if isinstance(r, dict):
+                out["finished"] += r["finished"]
+                out["retried"] += r["retried"]
+        return out
 
     def drop(self, index: int) -> None:
         """Forget a dead worker."""

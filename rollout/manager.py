@@ -45,6 +45,7 @@ queued, in flight or ready; ``ledger/unaccounted`` in the metrics is always 0 an
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -588,6 +589,49 @@ class RolloutManager:
         await asyncio.gather(*(h.resume() for h in handles))
         self._step.counters["episodes/restored"] += sum(restored)
         self._step.counters["groups/restored"] += len(groups)
+
+    # ----- engines joining and leaving (elastic) --------------------------------------------
+    async def set_engine_urls(self, urls: list[str], drain_timeout_s: float = 60.0
+                              ) -> dict[str, float]:
+        """Shared engine servers joined or left the run: the workers (and workers started
+        later) route over ``urls``, removed ones drained out of every worker's router, and the
+        manager's control client pauses and resumes the new set. Returns the drained requests
+        (``finished``, ``retried``) summed over the workers. For workers that share one live
+        engine object (``cluster="local"``) its router is the one to change, not this."""
+        from dataclasses import replace
+
+        from palaestra.rollout.engines.router import Router
+        from palaestra.rollout.engines.sglang import SGLangClient
+
+        spec = self.worker_config.engine
+        if spec.owned or not spec.urls:
+            raise ConfigError("set_engine_urls needs workers that reach shared engine servers "
+                              "(EngineSpec.http)")
+        self.worker_config = replace(self.worker_config, engine=replace(spec, urls=tuple(urls)))
+        control = self._control
+        if isinstance(control, Router) and self._engine is None:
+            kwargs = {k: v for k, v in spec.client_kwargs.items() if k != "router"}
+            have = [m["name"] for m in control.status()]
+            for url in urls:
+                if url not in have:
+                    control.add_engine(SGLangClient(url, **kwargs))
+            for name in have:
+                if name not in urls:
+                    with contextlib.suppress(EngineError):
+                        await control.remove_engine(name).close()
+        return await self.pool.set_engine_urls(urls, drain_timeout_s)
+
+    async def engine_metrics(self) -> dict[str, float]:
+        """The workers' routers' ``engines/requests/<url>`` and ``engines/retried``, summed
+        (the requests each engine served for this run's Ray workers)."""
+        out: dict[str, float] = {}
+        for stats in await asyncio.gather(*(h.stats() for h in self._handles),
+                                          return_exceptions=True):
+            if isinstance(stats, dict):
+                for key, value in stats.get("engine_metrics", {}).items():
+                    if key.startswith("engines/requests/") or key == "engines/retried":
+                        out[key] = out.get(key, 0.0) + float(value)
+        return out
 
     async def worker_stats(self) -> list[dict[str, Any]]:
         """Per worker: episodes played, engine time, CPU time, pools, tool cache, engine health."""

@@ -11,8 +11,10 @@ consecutive bundles, never across a node boundary. The plan is plain data (teste
 trainer ranks, engine GPUs and tensor parallelism, colocation, where a critic and a reference go);
 `plan_run` turns it into a `RunPlan` (bundles per node, trainer ranks, engines) or lists every
 reason the layout is impossible. On CPU nodes (``gpus_per_node = 0``, or a trainer on
-``device = "cpu"``) the trainer ranks get CPU bundles and the engines stay as ``[engine]`` says
-(embedded in the driver, or servers at ``engine.urls``).
+``device = "cpu"``) the trainer ranks get CPU bundles, and ``engines = N`` adds N CPU bundles
+for embedded engines (``palaestra serve``) as Ray actors; without it the engines stay as
+``[engine]`` says (embedded in the driver, or servers at ``engine.urls``). The engine bundles
+of a plan are where `palaestra.rollout.engine_actors` starts its engine actors.
 """
 
 from __future__ import annotations
@@ -160,8 +162,15 @@ class PlacementSection(Section):
     Megatron: tp x pp x dp with tp/pp/ep from ``trainer.megatron``. More than one runs the
     trainer as a group of Ray actors on a placement group; 1 trains in the driver process."""
     engine_gpus: int = Field(0, ge=0)
-    """GPUs of the inference engines (0: the engines of ``[engine]``: the embedded one in the
-    driver, or servers at ``engine.urls`` outside this plan)."""
+    """GPUs of the inference engines, each engine a Ray actor on its ``engine_tp`` bundles
+    serving the embedded engine (``palaestra serve``) or SGLang (0: the engines of
+    ``[engine]``: the embedded one in the driver, or servers at ``engine.urls``)."""
+    engines: int = Field(0, ge=0)
+    """CPU nodes only: embedded engines (``palaestra serve``), each a Ray actor on a CPU bundle
+    of ``cpus_per_engine`` (0: the engines of ``[engine]``). On GPU nodes the engine count is
+    ``engine_gpus / engine_tp``."""
+    cpus_per_engine: float = Field(1.0, gt=0.0)
+    """CPUs an engine's bundle reserves (CPU engines; GPU engines reserve ``cpus_per_rank``)."""
     engine_tp: int = Field(1, ge=1)
     """Tensor parallelism of one engine (an engine never spans nodes)."""
     colocate: bool = False
@@ -199,6 +208,13 @@ class RunPlan:
     @property
     def num_gpus(self) -> int:
         return int(sum(b.get("GPU", 0) for b in self.bundles))
+
+    @property
+    def engine_gpu_fraction(self) -> float:
+        """The GPU an engine actor asks of each of its bundles (0 on CPU bundles)."""
+        if not self.on_gpu:
+            return 0.0
+        return self.trainer_gpu_fraction if self.colocate else 1.0
 
     def roles(self, bundle: int) -> list[str]:
         out = [f"trainer rank {r}" for r, b in enumerate(self.trainer_bundles) if b == bundle]
@@ -242,15 +258,18 @@ def plan_problems(section: PlacementSection, *, on_gpu: bool, model_parallel: in
     if not on_gpu:
         if s.engine_gpus:
             out.append(f"placement.engine_gpus = {s.engine_gpus} on CPU nodes (gpus_per_node = 0 "
-                       "or trainer device cpu): engines on CPU are the embedded engine or "
-                       "engine.urls; set engine_gpus = 0")
-        if s.colocate:
-            out.append("placement.colocate = true needs GPU nodes (there is nothing to time-slice "
-                       "on CPU); set colocate = false")
+                       "or trainer device cpu): engines on CPU are placement.engines = N "
+                       "(embedded engines as Ray actors), the embedded engine or engine.urls; "
+                       "set engine_gpus = 0")
+        # colocate on CPU: the phases switch as on a GPU (the engine frees its KV cache, the
+        # trainer's offload moves nothing); it checks a colocated recipe on a CPU machine
         return out
     if s.gpus_per_node < 1:
         out.append("a GPU placement needs placement.gpus_per_node >= 1")
         return out
+    if s.engines:
+        out.append(f"placement.engines = {s.engines} counts CPU engines; on GPU nodes the "
+                   f"engines are placement.engine_gpus / engine_tp: set engines = 0")
     if s.engine_gpus % s.engine_tp:
         out.append(f"placement.engine_gpus ({s.engine_gpus}) must be a multiple of "
                    f"placement.engine_tp ({s.engine_tp})")
@@ -301,10 +320,12 @@ def plan_run(section: PlacementSection, *, on_gpu: bool, model_parallel: int = 1
     else:
         layout = {"fsdp": s.trainer_ranks}
     ranks = s.trainer_ranks
-    if not on_gpu:
-        bundles = tuple({"CPU": s.cpus_per_rank} for _ in range(ranks))
-        return RunPlan(bundles, (None,) * ranks, tuple(range(ranks)), (), (), (), False, False,
-                       layout, 0.0, s.strategy)
+    if not on_gpu:  # trainer ranks, then the CPU engines (one bundle each)
+        bundles = tuple([{"CPU": s.cpus_per_rank} for _ in range(ranks)]
+                        + [{"CPU": s.cpus_per_engine} for _ in range(s.engines)])
+        engines_cpu = tuple((ranks + e,) for e in range(s.engines))
+        return RunPlan(bundles, (None,) * len(bundles), tuple(range(ranks)), (), (),
+                       engines_cpu, False, s.colocate, layout, 0.0, s.strategy)
     need = _gpus_needed(s)
     bundles = tuple({"GPU": 1.0, "CPU": s.cpus_per_rank} for _ in range(need))
     nodes = tuple(g // s.gpus_per_node for g in range(need))

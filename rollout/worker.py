@@ -333,6 +333,35 @@ class RolloutWorker:
         """Update an engine this worker owns (shared engines are updated by the manager)."""
         await self.engine.update_weights(state_dict, path=path, version=version)
 
+    async def set_engine_urls(self, urls: Sequence[str], drain_timeout_s: float = 60.0
+                              ) -> dict[str, float]:
+        """The engine servers this worker routes over from now on (engines joined or left a
+        running run): new URLs join its `Router`, removed ones drain out of it (their requests
+        in flight finish, or after ``drain_timeout_s`` go to another engine). Returns the
+        drained requests: ``finished`` and ``retried``."""
+        spec = self.config.engine
+        self.config = replace(self.config, engine=replace(spec, urls=tuple(urls)))
+        from palaestra.rollout.engines.router import Router
+        from palaestra.rollout.engines.sglang import SGLangClient
+
+        router = self._engine
+        out = {"finished": 0.0, "retried": 0.0}
+        if spec.owned or not isinstance(router, Router):
+            return out  # not built yet (it is built from the new list) or not a router
+
+        kwargs = {k: v for k, v in spec.client_kwargs.items() if k != "router"}
+        have = [m["name"] for m in router.status()]
+        for url in urls:
+            if url not in have:
+                router.add_engine(SGLangClient(url, **kwargs))
+        for url in (u for u in have if u not in urls):
+            client = next(e for e in router.engines if getattr(e, "url", None) == url)
+            result = await router.drain_engine(url, drain_timeout_s)
+            out["finished"] += result["finished"]
+            out["retried"] += result["retried"]
+            await client.close()
+        return out
+
     async def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "worker": self.index,
@@ -347,6 +376,7 @@ class RolloutWorker:
         status = getattr(self._engine, "status", None)
         if callable(status):  # a Router: per-engine health, requests served, failures
             out["engines"] = status()
+            out["engine_metrics"] = self._engine.metrics()  # type: ignore[union-attr]
         return out
 
     async def shutdown(self) -> None:

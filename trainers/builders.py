@@ -73,11 +73,18 @@ def megatron_backend(megatron: MegatronBackendConfig, model_path: Path, *, seed:
 
     from palaestra.trainers.megatron import MegatronBackend
 
+    return MegatronBackend(AutoConfig.from_pretrained(model_path),
+                           megatron_config(megatron, seed=seed, steps=steps, **changes),
+                           model_path=model_path)
+
+
+def megatron_config(megatron: MegatronBackendConfig, *, seed: int, steps: int,
+                    **changes: Any) -> MegatronBackendConfig:
+    """``trainer.megatron`` seeded, with its schedule over ``steps`` and ``changes``."""
     changes = {"seed": seed, **changes}
     if megatron.lr_schedule != "constant":
         changes["total_steps"] = steps
-    return MegatronBackend(AutoConfig.from_pretrained(model_path),
-                           megatron.model_copy(update=changes), model_path=model_path)
+    return megatron.model_copy(update=changes)
 
 
 def backend_config(torch_cfg: TorchBackendConfig, *, temperature: float, seed: int,
@@ -98,6 +105,12 @@ def build_backend(trainer: TrainerSection, policy_path: Path, *, temperature: fl
     """The RL training backend: the PyTorch one, Megatron-core on CUDA machines, or (``group``:
     the plan of ``[placement]`` with several trainer ranks) PyTorch ranks as Ray actors."""
     if trainer.backend == "megatron":
+        if group is not None:  # Megatron ranks as Ray actors (tp/ep from trainer.megatron)
+            from palaestra.trainers.group.group import TrainerGroup
+
+            return TrainerGroup(policy_path, megatron_config(
+                trainer.megatron, seed=seed, steps=trainer.steps,
+                logits_temperature=temperature), group, address=ray_address).start()
         return megatron_backend(trainer.megatron, policy_path, seed=seed, steps=trainer.steps,
                                 logits_temperature=temperature)
     torch_cfg = backend_config(trainer.torch, temperature=temperature, seed=seed,
@@ -111,4 +124,5 @@ def build_backend(trainer: TrainerSection, policy_path: Path, *, temperature: fl
     return TorchBackend(policy_path, torch_cfg)
 
 
-__all__ = ["agent_spec", "backend_config", "build_backend", "build_engine", "megatron_backend"]
+__all__ = ["agent_spec", "backend_config", "build_backend", "build_engine", "megatron_backend",
+           "megatron_config"]

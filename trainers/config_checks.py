@@ -42,9 +42,10 @@ def config_problems(cfg: TrainConfig) -> list[Problem]:
         out += _demonstration_problems(cfg)
     out += _reward_problems(cfg)
     from palaestra.trainers.group.plan import placement_problems
+    from palaestra.trainers.run_engines import engine_actor_problems
     from palaestra.trainers.services import services_problems
 
-    return out + services_problems(cfg) + placement_problems(cfg)
+    return out + services_problems(cfg) + placement_problems(cfg) + engine_actor_problems(cfg)
 
 
 def launch_problems(cfg: TrainConfig) -> list[Problem]:
@@ -83,7 +84,9 @@ def _engine_kind_problems(cfg: TrainConfig) -> list[Problem]:
 
 def _engine_problems(cfg: TrainConfig) -> list[Problem]:
     e, out = cfg.engine, _engine_kind_problems(cfg)
-    if e.kind == "sglang" and not e.urls and e.launch == "none":
+    from palaestra.trainers.run_engines import engine_actor_count
+
+    if e.kind == "sglang" and not e.urls and e.launch == "none" and not engine_actor_count(cfg):
         out.append(Problem(("engine",), "engine.kind = 'sglang' needs engine.urls (attach to "
                            "running servers) or engine.launch = 'sglang' / 'palaestra' (start them)"))
     if e.launch != "none" and e.kind != "sglang":

@@ -278,7 +278,11 @@ def format_table(rows: list[GpuRow], gpu_memory_gib: float) -> list[str]:
 
 
 def _engine_line(cfg: TrainConfig) -> str:
+    from palaestra.trainers.run_engines import engine_actor_count
+
     e = cfg.engine
+    if engine_actor_count(cfg):  # [placement] starts them (see the placement lines)
+        return f"{engine_actor_count(cfg)} {e.kind} engine actor(s) of [placement] (servers)"
     if e.kind == "local":
         return "local (in process)"
     parts = [f"at {', '.join(e.urls)}"] if e.urls else []
@@ -293,7 +297,10 @@ def _sync_line(cfg: TrainConfig) -> str:
     e, sync = cfg.engine, cfg.engine.weight_sync
     method: str = sync.kind
     if method == "auto":
-        method = "in_process" if e.kind == "local" else "distributed if CUDA is here, else disk"
+        from palaestra.trainers.run_engines import engine_actor_count
+
+        method = "in_process" if e.kind == "local" and not engine_actor_count(cfg) else \
+            "distributed if CUDA is here, else disk"
     d = e.sync_settings("distributed") if method.startswith("distributed") else sync
     if e.kind == "sglang" and isinstance(d, DistributedSync):
         method += (f" ({d.backend}, rendezvous {d.master_address}:"
@@ -316,6 +323,9 @@ def describe_section(cfg: TrainConfig, environ: Mapping[str, str]) -> str:
     lines = [_shape_line(cfg, shape)]
     plan = require_plan(cfg)
     lines += plan.describe_lines()
+    from palaestra.trainers.run_engines import engine_actor_lines
+
+    lines += engine_actor_lines(cfg, plan)
     if section.trainer_ranks > 1:
         where = "Ray actors on the placement group's bundles" if plan.on_gpu else \
             "Ray actors on CPU bundles (FSDP2 over gloo)"

@@ -5,10 +5,17 @@ tensors overwritten in process; SGLang servers through a weight-update group (NC
 broadcast), through disk, or base64 tensors over HTTP. `EngineSync.weights_of(backend)` is the
 `WeightPush` the rollout manager runs between pausing and resuming generation; `last` holds the
 timing of the newest push (logged as ``sync/*``).
+
+A trainer group pushing to servers (`palaestra.trainers.group.push.PushesOwnWeights`) sends the
+weights from its rank 0 itself: `EngineSync` gives it the path (`push_spec`: the method, the
+servers' URLs, the rendezvous or folder) and reads the servers' weight versions back afterwards;
+the tensors never reach this process. The embedded engine lives in this process, so a group
+feeding it still brings the weights here.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +30,7 @@ if TYPE_CHECKING:
     from palaestra.rollout.engines.sglang import SGLangClient, SGLangEngine
     from palaestra.rollout.engines.weight_transfer import TransferStats
     from palaestra.trainers.config import EngineSection
+    from palaestra.trainers.group.push import EnginePushSpec
 
 
 def resolve_method(engine: EngineSection) -> str:
@@ -66,6 +74,8 @@ class EngineSync:
         self.lora_servers = False
         self.adapter_dir: Path | None = None
         self._served_adapter: tuple[str, Path] | None = None
+        self.group_pushes = 0  # pushes a trainer group's rank 0 made itself (no relay here)
+        self._unflushed_remote: int | None = None
 
     @classmethod
     def from_config(cls, settings: EngineSection, engine: LocalEngine | SGLangEngine,
@@ -117,6 +127,9 @@ class EngineSync:
                 and not hasattr(self.engine, "update_adapter"):
             self.last = await self._push_adapter_to_servers(backend, version)
             return self.last
+        if self._pushes_itself(backend):
+            self.last = await self._push_from_group(backend, version)
+            return self.last
         if self.sender is not None:
             buckets = backend.iter_engine_weight_buckets(
                 self.bucket_bytes, dtype=self.dtype, device=self.device)
@@ -145,6 +158,61 @@ class EngineSync:
                                   sum(t.numel() * t.element_size() for t in unique),
                                   len(weights), 1)
         return self.last
+
+    def _pushes_itself(self, backend: Any) -> bool:
+        """Whether ``backend`` (a trainer group) sends the weights to the servers itself."""
+        from palaestra.trainers.group.push import REMOTE_METHODS, PushesOwnWeights
+
+        return isinstance(backend, PushesOwnWeights) and self.method in REMOTE_METHODS
+
+    def _server_clients(self) -> list[Any]:
+        return list(self.sender.clients) if self.sender is not None \
+            else list(_servers(self.engine, self.method))  # type: ignore[arg-type]
+
+    def push_spec(self) -> EnginePushSpec:
+        """This sync's path as a trainer group's rank 0 takes it (see the module doc)."""
+        from palaestra.rollout.engines.weight_transfer import (
+            DiskWeightSender,
+            DistributedWeightSender,
+        )
+        from palaestra.trainers.group.push import EnginePushSpec
+
+        clients = self._server_clients()
+        kw: dict[str, Any] = {}
+        s = self.sender
+        if isinstance(s, DistributedWeightSender):
+            kw = {"backend": s.backend, "master_address": s.master_address,
+                  "master_port": s.master_port, "timeout_s": s.timeout_s}
+        elif isinstance(s, DiskWeightSender):
+            kw = {"directory": str(s.directory),
+                  "model_dir": None if s.model_dir is None else str(s.model_dir)}
+        else:
+            kw = {"tp_sizes": tuple(int(getattr(c, "tp_size", 1)) for c in clients)}
+        return EnginePushSpec(
+            method=self.method, urls=tuple(c.url for c in clients),
+            bucket_bytes=self.bucket_bytes,
+            dtype=None if self.dtype is None else str(self.dtype).removeprefix("torch."), **kw)
+
+    async def _push_from_group(self, backend: Any, version: int, client: Any = None
+                               ) -> TransferStats:
+        """Rank 0 of ``backend`` pushes ``version`` (to ``client`` alone: a joining server);
+        then the servers' versions are read back."""
+        from palaestra.rollout.engines.weight_transfer import DistributedWeightSender
+
+        if isinstance(self.sender, DistributedWeightSender):
+            await self.sender.close()  # one weight-update group at a time (a fixed port)
+        spec = self.push_spec()
+        if client is not None:
+            spec = spec.only(client.url, int(getattr(client, "tp_size", 1)))
+        stats: TransferStats = await asyncio.to_thread(
+            backend.push_weights, spec, version, keep=client is None)
+        if client is None:
+            self.group_pushes += 1
+            last = getattr(backend, "last_push", None) or {}
+            self._unflushed_remote = last.get("unflushed")
+        clients = [client] if client is not None else self._server_clients()
+        await asyncio.gather(*(c.get_model_info() for c in clients))  # their weight_version
+        return stats
 
     async def _push_adapter_to_servers(self, backend: Any, version: int) -> TransferStats:
         """Write the adapter as a peft folder, have every server load it under a versioned
@@ -202,6 +270,8 @@ class EngineSync:
             TransferStats,
         )
 
+        if self._pushes_itself(backend):  # a trainer group: from its rank 0
+            return await self._push_from_group(backend, version, client=client)
         s = self.sender
         if isinstance(s, DistributedWeightSender):
             one: Any = DistributedWeightSender(
@@ -246,7 +316,9 @@ class EngineSync:
         if self.last is None:
             return {}
         out = self.last.as_metrics()
-        if self.sender is not None and hasattr(self.sender, "unflushed"):
+        if self._unflushed_remote is not None:
+            out["sync/unflushed_servers"] = float(self._unflushed_remote)
+        elif self.sender is not None and hasattr(self.sender, "unflushed"):
             out["sync/unflushed_servers"] = float(self.sender.unflushed)
         return out
 

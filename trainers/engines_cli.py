@@ -29,7 +29,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                    "or move to another engine after --timeout)")),
                        ("list", "the run's engines, their requests and weight versions")):
         p = sub.add_parser(name, help=text, description=text)
-        if name != "list":
+        if name == "add":
+            p.add_argument("url", nargs="?", default=None,
+                           help="the engine's base URL, http://HOST:PORT (or --gpus)")
+            p.add_argument("--gpus", type=int, default=None, metavar="N",
+                           help="start the engine instead: a Ray actor on N GPUs of the run's "
+                                "Ray cluster (0: a CPU engine, palaestra serve), then add it")
+        elif name == "remove":
             p.add_argument("url", help="the engine's base URL, http://HOST:PORT")
         p.add_argument("--run", required=True, metavar="DIR",
                        help="the run directory (the run's `out`)")
@@ -43,14 +49,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         answer = call(args.run, args.action, getattr(args, "url", None),
-                      timeout_s=getattr(args, "timeout", None))
+                      timeout_s=getattr(args, "timeout", None), gpus=getattr(args, "gpus", None))
     except PalaestraError as exc:
         print(f"palaestra engines {args.action}: {exc}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(answer, indent=2))
     elif args.action == "add":
-        print(f"{answer['url']} joined at weight version {answer['version']} "
+        actor = answer.get("actor")
+        started = (f" (engine actor pid {actor['actor_pid']} on {actor['node']}, "
+                   f"{actor['gpus']} GPU)" if actor else "")
+        print(f"{answer['url']}{started} joined at weight version {answer['version']} "
               f"(before step {answer['step']}; weights pushed in {answer['push_s']} s)")
     elif args.action == "remove":
         print(f"{answer['name']} removed: {answer['finished']} in-flight requests finished on "
@@ -62,13 +71,22 @@ def run(args: argparse.Namespace) -> int:
                   f"{e['weight_version']}  served {e['served']}  in flight {e['outstanding']}")
         for url in answer["joining"]:
             print(f"  {url}  joining at the next step")
+        for a in answer.get("actors", []):
+            print(f"  {a['url']}  engine actor pid {a['actor_pid']} (server pid "
+                  f"{a['server_pid']}) on {a['node']}, {a['gpus']} GPU")
     return 0
 
 
 def call(run_dir: str | Path, action: str, url: str | None = None, *,
-         timeout_s: float | None = None, wait_s: float = 3600.0) -> dict[str, Any]:
+         timeout_s: float | None = None, wait_s: float = 3600.0,
+         gpus: int | None = None) -> dict[str, Any]:
     """The run's answer to ``action`` (``add``/``remove``/``list``); `PalaestraError` with the
-    reason when there is no run, the URL is bad, or the run refuses."""
+    reason when there is no run, the URL is bad, or the run refuses. ``add`` takes a ``url``
+    or ``gpus`` (start an engine actor on that many GPUs, 0: CPU)."""
+    if action == "add" and (url is None) == (gpus is None):
+        raise ConfigError("engines add takes an engine URL or --gpus N (one of them)")
+    if gpus is not None and gpus < 0:
+        raise ConfigError(f"--gpus must be >= 0 (got {gpus})")
     if url is not None:
         from palaestra.trainers.elastic import normalize_url  # light: no torch, no aiohttp
 
@@ -78,7 +96,7 @@ def call(run_dir: str | Path, action: str, url: str | None = None, *,
     if action == "list":
         method, path, body = "GET", "/engines", None
     elif action == "add":
-        method, path, body = "POST", "/engines", {"url": url}
+        method, path, body = "POST", "/engines", {"url": url} if gpus is None else {"gpus": gpus}
     elif action == "remove":
         method, path, body = "POST", "/engines/remove", {"url": url, "timeout_s": timeout_s}
     else:
@@ -110,7 +128,8 @@ def _admin_of(run_dir: Path) -> tuple[str, str]:
     except FileNotFoundError as exc:
         raise ConfigError(
             f"no running run in {run_dir}: {exc.filename} is missing (a run writes "
-            f"{ADMIN_FILE} while its RL steps run, with engine.kind = 'sglang')") from exc
+            f"{ADMIN_FILE} while its RL steps run, when its engines are servers: "
+            "engine.kind = 'sglang' or [placement] engine actors)") from exc
     except (ValueError, KeyError) as exc:
         raise ConfigError(f"{run_dir / ADMIN_FILE} is not a run's admin file: {exc}") from exc
     return str(admin), token

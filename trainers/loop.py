@@ -55,9 +55,11 @@ if TYPE_CHECKING:
     from palaestra.rollout.manager import RolloutBatch, RolloutManager
     from palaestra.rollout.placement import RunPlan
     from palaestra.rollout.rewards.worker import RewardClient
+    from palaestra.rollout.weight_push import WeightPush
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.elastic import AdminServer, ElasticEngines
+    from palaestra.trainers.group.colocate import ColocatedPhases
     from palaestra.trainers.ppo.step import PPOStepResult
     from palaestra.types import Sample
 
@@ -183,6 +185,8 @@ async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: AgentSp
         async with rl.manager:
             for step in range(start_step, cfg.trainer.steps):
                 await rl.step(step)
+        if rl.colocated is not None:  # the trainer back on its GPU for the final export
+            await rl.colocated.stop()
         rl.finish()
     finally:
         await rl.close()
@@ -207,6 +211,7 @@ class RLRun:
         self.admin: AdminServer | None = None
         self.elastic: ElasticEngines | None = None
         self.evaluator: TrainingEvaluation | None = None
+        self.colocated: ColocatedPhases | None = None  # [placement] colocate: phase switches
         self._engine_seen: dict[str, float] = {}  # engine stats at the last step's end
 
     @classmethod
@@ -283,8 +288,13 @@ class RLRun:
 
         # engines join and leave while the steps run (`palaestra engines add|remove URL`)
         self.admin = await start_admin(cfg, self.run.root, self.engine, self.sync,
-                                       self.policy_path)
+                                       self.policy_path, manager=self.manager)
         self.elastic = None if self.admin is None else self.admin.elastic
+        if cfg.placement is not None and cfg.placement.colocate:  # sync mode (checked at load)
+            from palaestra.trainers.group.colocate import ColocatedPhases
+
+            self.colocated = ColocatedPhases(self.engine, [self.backend, self.critic])
+            await self.colocated.start()  # the first rollout: the trainer in host memory
         if cfg.benchmark_eval.benchmarks:
             from palaestra.agents import load_tokenizer
             from palaestra.evaluation import training_evaluator
@@ -307,6 +317,8 @@ class RLRun:
         t0 = time.perf_counter()
         batch = await self.manager.generate_batch(step)
         t1 = time.perf_counter()
+        if self.colocated is not None:  # the engine frees the GPU, the trainer comes back
+            await self.colocated.to_train()
         train_batch, ppo = await self._advantages(batch.samples, step)
         if batch.failed:
             self.counts["failed_episodes"] += run.log_failures("rl", step, batch.failed)
@@ -314,15 +326,17 @@ class RLRun:
         train_metrics = ppo.metrics if ppo is not None else await self._train_steps(
             train_batch, step)
         t2 = time.perf_counter()
-        sync_times = await self.manager.update_weights(
-            push=(self.sync if elastic is None else elastic).weights_of(self.backend),
-            version=step + 1,
-        )
+        push: WeightPush = (self.sync if elastic is None else elastic).weights_of(self.backend)
+        if self.colocated is not None:  # engine weights back, push, trainer out, KV cache back
+            push = self.colocated.around(push)
+        sync_times = await self.manager.update_weights(push=push, version=step + 1)
         t3 = time.perf_counter()
         record = _step_record(step, batch.metrics, train_metrics, sync_times,
                               rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
                               warmup_steps=cfg.warmup.steps)
         record.update(self.sync.metrics())
+        if self.colocated is not None:  # memory/{rollout,train}_gib, memory/offloaded_gib
+            record.update(self.colocated.metrics())
         record.update(self._engine_deltas())
         if elastic is not None:  # engines/count, added, removed, requests per engine
             record.update(elastic.metrics())
@@ -395,8 +409,14 @@ class RLRun:
         if step % cfg.checkpoint.interval == 0 or step == cfg.trainer.steps:
             # async mode: the episodes in flight are saved whole (they go on after a
             # crash from their last completed turn); sync mode has none in flight here
-            _save_rl(cfg, self.run, self.backend, self.manager, step, self.counts, self.critic,
-                     rollout=await self.manager.checkpoint_state())
+            rollout = await self.manager.checkpoint_state()
+            if self.colocated is None:
+                _save_rl(cfg, self.run, self.backend, self.manager, step, self.counts,
+                         self.critic, rollout=rollout)
+                return
+            async with self.colocated.resident():  # FSDP2's gathers need the GPU copy
+                _save_rl(cfg, self.run, self.backend, self.manager, step, self.counts,
+                         self.critic, rollout=rollout)
 
     def finish(self) -> None:
         """The trained policy as a Hugging Face folder (tokenizer included): `palaestra eval
@@ -647,15 +667,19 @@ async def _train(cfg: TrainConfig, run: RunDir) -> dict[str, Any]:
             with _phases(cfg.algorithm):
                 await asyncio.to_thread(run_offline, cfg, run, model_path, spec)
             return {}
-        engine = build_engine(cfg.engine, model_path, max_model_len=cfg.agent.max_context,
-                              seed=cfg.seed, servers_dir=Path(cfg.out) / "servers")
+        from palaestra.trainers.run_engines import start_engine_actors
+
+        # [placement] engines as Ray actors on their bundles, else the engines of [engine]
+        engine_cfg, engine = await start_engine_actors(cfg, model_path) or (
+            cfg.engine, build_engine(cfg.engine, model_path, max_model_len=cfg.agent.max_context,
+                                     seed=cfg.seed, servers_dir=Path(cfg.out) / "servers"))
         sync: EngineSync | None = None
         try:
             from palaestra.rollout.engines.sglang import SGLangEngine
 
             if isinstance(engine, SGLangEngine):  # engine.kind = "sglang": attach / launch
                 await engine.start()
-            sync = EngineSync.from_config(cfg.engine, engine, model_path, out=cfg.out)
+            sync = EngineSync.from_config(engine_cfg, engine, model_path, out=cfg.out)
             # LoRA with SGLang servers: adapters over /load_lora_adapter when this process's
             # engine makes the requests (Ray workers' clients get the merged weights)
             sync.lora_servers = cfg.rollout.cluster == "local"

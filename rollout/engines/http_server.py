@@ -567,7 +567,7 @@ def build_app(state: ServerState) -> web.Application:
         version = _version_arg(body.get("weight_version"))
         paused = 0
         if body.get("abort_all_requests"):
-            paused = engine.stats["running"] + engine.stats["waiting"]
+            paused = int(engine.stats["running"] + engine.stats["waiting"])
             await engine.abort(None)
         try:
             await load(version)

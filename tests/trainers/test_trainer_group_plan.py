@@ -77,9 +77,9 @@ def test_impossible_layout_exits_2_with_the_reason():
     proc = subprocess.run(
         [sys.executable, "-m", "palaestra.cli", "train", str(DP2), "--dry-run",
          "--placement.trainer_ranks", "4", "--trainer.backend", "megatron",
-         "--placement.colocate", "true"],
+         "--placement.colocate", "true", "--rollout.mode", "async"],
         capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "trainer group runs torch-backend ranks only" in proc.stderr
-    assert "colocate = true needs GPU nodes" in proc.stderr  # gpus_per_node = 0: CPU nodes
+    assert "Megatron-core trains on CUDA GPUs" in proc.stderr  # gpus_per_node = 0: CPU nodes
+    assert "with rollout.mode = 'async'" in proc.stderr  # colocated phases are time-sliced
     assert "Traceback" not in proc.stderr

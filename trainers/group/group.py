@@ -3,17 +3,25 @@
 `start` reserves the plan's trainer bundles (`palaestra.rollout.placement.RunPlan`: GPU bundles,
 or CPU bundles on CPU nodes) as a Ray placement group, starts one `TrainerRank` actor per bundle,
 asks rank 0 for its address and a free port and has every rank join that process group (NCCL on
-GPU, gloo on CPU) and load the torch backend sharded with FSDP2. The group has the backend's
-methods, so the loop drives it as it drives one in-process backend:
+GPU, gloo on CPU) and load its backend: the torch backend sharded with FSDP2 (a
+`TorchBackendConfig`), or Megatron-core with the tp/ep of a `MegatronBackendConfig` and data
+parallelism over the rest of the world. The group has the backend's methods, so the loop drives
+it as it drives one in-process backend:
 
 - ``train_step(batch, loss_cfg)``: the batch is split by data-parallel rank with balanced token
   counts (`split_across_ranks`), the loss weights are computed once over the whole batch, and
-  each rank's shard goes into the object store with ``ray.put`` and reaches its rank as an object
-  reference (no rank receives another's sequences). Metrics come back summed over ranks.
-- ``forward_logprobs``: the same shards; each rank's rows are put back in batch order.
-- ``state_dict_for_engines`` / ``iter_engine_weight_buckets`` (full weights from rank 0, for
-  `EngineSync`), ``save``/``load`` (one checkpoint, full state dicts), ``export_hf``,
-  ``offload``/``onload`` (host memory while a colocated engine serves), ``close``.
+  each data-parallel rank's shard goes into the object store with ``ray.put`` and reaches its
+  ranks (every TP rank of it) as an object reference (no rank receives another data-parallel
+  rank's sequences). Counts come back summed over data-parallel ranks.
+- ``forward_logprobs``: the same shards; each data-parallel rank's rows are put back in batch
+  order.
+- ``push_weights(spec, version)``: every rank gathers the full weights, rank 0 sends them to the
+  SGLang-compatible servers itself (`palaestra.trainers.group.push`); the weights never pass
+  through the driver. `EngineSync` takes this path for servers.
+- ``state_dict_for_engines`` / ``iter_engine_weight_buckets``: full weights from rank 0 into the
+  driver, for the embedded engine, which lives there (counted in ``weight_relays``);
+  ``save``/``load`` (one checkpoint, full state dicts), ``export_hf``, ``offload``/``onload``
+  (host memory while a colocated engine serves), ``close``.
 
 A rank that dies (its process, or its node) fails the call with `TrainerRankLost`, naming the
 rank and its node, and saying that the next start resumes from the last checkpoint.
@@ -24,9 +32,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import ConfigError, MissingExtraError, PalaestraError
+
+if TYPE_CHECKING:
+    from palaestra.rollout.engines.weight_transfer import TransferStats
+    from palaestra.trainers.group.push import EnginePushSpec
 
 
 class TrainerRankLost(PalaestraError, RuntimeError):
@@ -34,7 +46,7 @@ class TrainerRankLost(PalaestraError, RuntimeError):
 
 
 class TrainerGroup:
-    """``len(plan.trainer_bundles)`` torch-backend ranks as Ray actors (see the module doc)."""
+    """``len(plan.trainer_bundles)`` ranks of one backend as Ray actors (see the module doc)."""
 
     def __init__(self, model_path: str | Path, config: Any, plan: Any, *,
                  address: str | None = None, ready_timeout_s: float = 300.0) -> None:
@@ -49,6 +61,8 @@ class TrainerGroup:
         self.placement_group: Any = None
         self._started_ray = False
         self._lost = False
+        self.weight_relays = 0  # full state dicts brought into the driver (embedded engine)
+        self.last_push: dict[str, Any] | None = None  # rank 0's answer to the last push
 
     # ------------------------------------------------------------------------ lifecycle
     def start(self) -> TrainerGroup:
@@ -174,48 +188,73 @@ class TrainerGroup:
     def _all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         return self._get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
 
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks (the world for FSDP2; world / (tp x pp) for Megatron)."""
+        return int(self.ranks[0]["dp_size"]) if self.ranks else self.world_size
+
     def shards(self, batch: Any, loss_cfg: Any = None) -> tuple[list[list[int]], list[Any]]:
-        """The sequence indices of each rank (token-balanced) and an object ref per rank holding
-        its sub-batch and (with ``loss_cfg``) its sequences' loss weights over the whole batch."""
+        """The sequence indices of each data-parallel rank (token-balanced) and an object ref
+        per data-parallel rank holding its sub-batch and (with ``loss_cfg``) its sequences' loss
+        weights over the whole batch."""
         import ray
 
         from palaestra.trainers.algorithms.objective import batch_loss_weights
         from palaestra.trainers.batching import split_across_ranks
 
-        parts = split_across_ranks(batch.lengths, self.world_size, units=batch.units())
+        parts = split_across_ranks(batch.lengths, self.dp_size, units=batch.units())
         if any(not p for p in parts):
             raise ConfigError(
-                f"a batch of {batch.num_sequences} sequences cannot feed {self.world_size} "
-                "trainer ranks; raise rollout.batch_size x group_size or lower "
+                f"a batch of {batch.num_sequences} sequences cannot feed {self.dp_size} "
+                "data-parallel trainer ranks; raise rollout.batch_size x group_size or lower "
                 "placement.trainer_ranks")
         weights = batch_loss_weights(batch, loss_cfg) if loss_cfg is not None else None
         refs = [ray.put((batch.select(p), None if weights is None else [weights[i] for i in p]))
                 for p in parts]
         return parts, refs
 
+    def _dp_of(self, rank: int) -> int:
+        return int(self.ranks[rank]["dp_rank"]) if self.ranks else rank
+
+    def _leaders(self) -> list[int]:
+        """One rank per data-parallel rank (TP rank 0): whose counts and rows are taken."""
+        return [r for r, info in enumerate(self.ranks) if info.get("dp_leader", 1)]
+
     # ------------------------------------------------------------- the backend's methods
     def train_step(self, batch: Any, loss_cfg: Any) -> dict[str, float]:
         _, refs = self.shards(batch, loss_cfg)
-        results = self._get([a.train_step.remote(ref, loss_cfg)
-                             for a, ref in zip(self.actors, refs)])
+        results = self._get([a.train_step.remote(refs[self._dp_of(r)], loss_cfg)
+                             for r, a in enumerate(self.actors)])
         out = dict(results[0])  # all-reduced on the ranks: the same everywhere
+        leaders = [results[r] for r in self._leaders()]
         for key in ("num_tokens", "num_loss_tokens"):
-            out[key] = float(sum(r[key] for r in results))
+            out[key] = float(sum(r[key] for r in leaders))
         out["step_time_s"] = max(r["step_time_s"] for r in results)
         return out
 
     def forward_logprobs(self, batch: Any, *, ref: bool = False) -> list[Any]:
         parts, refs = self.shards(batch)
-        results = self._get([a.forward_logprobs.remote(r, ref) for a, r in zip(self.actors, refs)])
+        results = self._get([a.forward_logprobs.remote(refs[self._dp_of(r)], ref)
+                             for r, a in enumerate(self.actors)])
         rows: list[Any] = [None] * batch.num_sequences
-        for indices, values in zip(parts, results):
-            for i, v in zip(indices, values):
+        for rank in self._leaders():
+            for i, v in zip(parts[self._dp_of(rank)], results[rank]):
                 rows[i] = v
         return rows
 
+    def push_weights(self, spec: EnginePushSpec, version: int, *, keep: bool = True
+                     ) -> TransferStats:
+        """Every rank gathers the full weights, rank 0 sends them to ``spec``'s servers as
+        ``version`` (the driver receives only rank 0's timing); see `push`."""
+        answers = self._all("push_weights", spec, version, keep)
+        self.last_push = answers[0]
+        return answers[0]["stats"]  # type: ignore[no-any-return]
+
     def state_dict_for_engines(self, *, dtype: Any = None,
                                device: Any = "cpu") -> dict[str, Any]:
-        """Full weights gathered on rank 0 (a collective of all ranks), here on ``device``."""
+        """Full weights gathered on rank 0 (a collective of all ranks), here on ``device``: the
+        embedded engine's path (servers get them from rank 0 itself: `push_weights`)."""
+        self.weight_relays += 1
         full = self._all("state_dict_for_engines", dtype, "cpu")[0]
         if str(device) == "cpu":
             return full  # type: ignore[no-any-return]

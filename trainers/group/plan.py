@@ -56,10 +56,22 @@ def placement_problems(cfg: TrainConfig) -> list[Problem]:
         p, on_gpu=trainer_on_gpu(cfg), model_parallel=par["model_parallel"],
         expert_parallel=par["expert_parallel"])]
     if p.trainer_ranks > 1 and cfg.trainer.backend == "megatron":
-        out.append(Problem(("placement.trainer_ranks", "trainer.backend"), (
-            f"placement.trainer_ranks = {p.trainer_ranks} with trainer.backend = 'megatron': the "
-            "trainer group runs torch-backend ranks only; run Megatron's ranks under torchrun "
-            "(docs/megatron.md) or use trainer.backend = 'torch' (FSDP2)")))
+        if not trainer_on_gpu(cfg):
+            out.append(Problem(("placement.trainer_ranks", "trainer.backend"), (
+                f"placement.trainer_ranks = {p.trainer_ranks} with trainer.backend = "
+                "'megatron' on CPU nodes: Megatron-core trains on CUDA GPUs; set "
+                "placement.gpus_per_node >= 1, or trainer.backend = 'torch' (FSDP2 on CPU)")))
+        if cfg.trainer.megatron.pp > 1:
+            out.append(Problem(("placement.trainer_ranks", "trainer.megatron.pp"), (
+                f"trainer.megatron.pp = {cfg.trainer.megatron.pp} in a trainer group: engine "
+                "weights are pushed from rank 0, which holds only the first pipeline stage; "
+                "use tp/ep/dp in a group, or pipeline parallelism under torchrun "
+                "(docs/megatron.md)")))
+    if p.colocate and cfg.rollout.mode == "async":
+        out.append(Problem(("placement.colocate", "rollout.mode"), (
+            "placement.colocate = true with rollout.mode = 'async': a colocated GPU serves or "
+            "trains, never both at once (the phases are time-sliced, so nothing could generate "
+            "while a step trains); set rollout.mode = 'sync' or placement.colocate = false")))
     if p.trainer_ranks > 1 and cfg.algorithm != "rl":
         out.append(Problem(("placement.trainer_ranks", "algorithm"), (
             f"placement.trainer_ranks = {p.trainer_ranks} with algorithm = {cfg.algorithm!r}: "

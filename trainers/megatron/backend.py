@@ -17,7 +17,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -140,6 +140,9 @@ class MegatronBackend:
             load_hf_weights(model, hf_state_dict, self.arch, fused_norms=self.use_te)
         self.model, self.optimizer = self._wrap(model)
         self.step = 0
+        # a trainer group's rank: batches are this data-parallel rank's shard already (with the
+        # whole batch's loss weights), results are this shard's (`palaestra.trainers.group`)
+        self.local_batches = False
         self._ref_weights: list[torch.Tensor] | None = None  # pinned CPU, one per parameter
         self._policy_weights: list[torch.Tensor] | None = None  # the swap's spill space
         if c.ref_model:
@@ -199,7 +202,7 @@ class MegatronBackend:
         from palaestra.trainers.batching import split_across_ranks
 
         rank, size = self._dp
-        if size == 1:
+        if size == 1 or self.local_batches:
             return list(range(batch.num_sequences))
         return split_across_ranks(batch.lengths, size, units=batch.units())[rank]
 
@@ -305,7 +308,7 @@ class MegatronBackend:
                     result.update(out)
             self.model.train()
         gathered: list[Any] = [result]
-        if dist.get_world_size() > 1:
+        if dist.get_world_size() > 1 and not self.local_batches:
             # the last pipeline stage of each DP rank holds results; share them with everyone
             gathered = [None] * dist.get_world_size()
             dist.all_gather_object(gathered, result if ps.is_pipeline_last_stage() else {})
@@ -391,11 +394,13 @@ class MegatronBackend:
         assert ents is not None
         return logps, ents
 
-    def train_step(self, batch: TrainBatch, loss_cfg: Any) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, loss_cfg: Any, *,
+                   loss_weights: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
         """One optimizer step on ``batch`` under ``loss_cfg`` (an algorithms.LossConfig).
 
         Returns the batch-level metrics (summed over micro-batches and data-parallel ranks) plus
-        ``grad_norm``, ``lr`` and ``update_ok``.
+        ``grad_norm``, ``lr`` and ``update_ok``. ``loss_weights``: per-sequence aggregation
+        weights computed over the whole batch (a trainer group's rank gets its shard and these).
         """
         import torch
         import torch.distributed as dist
@@ -419,7 +424,10 @@ class MegatronBackend:
             logprobs_s = time.perf_counter() - start
         check_train_batch(batch, loss_cfg, critic=critic)
         fields = {n: getattr(batch, n) for n in TOKEN_FIELDS if getattr(batch, n) is not None}
-        fields[losses.WEIGHTS] = batch_loss_weights(batch, loss_cfg)
+        if loss_weights is None and self.local_batches:
+            raise ConfigError("a data-parallel shard needs the whole batch's loss_weights")
+        fields[losses.WEIGHTS] = batch_loss_weights(batch, loss_cfg) if loss_weights is None \
+            else tuple(loss_weights)
         local = self._local_indices(batch)
         mbs = make_micro_batches(
             batch, self.cfg.max_tokens_per_micro_batch, pack=True, fields=fields,
