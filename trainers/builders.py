@@ -59,6 +59,7 @@ def build_engine(engine: EngineSection, model_path: Path, *, max_model_len: int,
         max_model_len=max_model_len,
         seed=seed,
         decode_steps=engine.decode_steps,
+        decode_attention=engine.decode_attention,
         # async mode too: the engine captures its graphs thread-locally on its own stream, so
         # the training thread's kernels beside them neither fail nor serialise with decode
         cuda_graphs=True,

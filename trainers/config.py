@@ -182,6 +182,11 @@ class EngineSection(Section):
     """Device of the embedded engine (None: CUDA if available, else CPU)."""
     max_running: int = Field(256, ge=1)
     """Requests decoded together by the embedded engine."""
+    decode_attention: Literal["dense", "triton", "auto"] = "dense"
+    """Decode attention of the embedded engine: "dense" batched GEMMs over the padded key
+    length; "triton" reads each row's own positions of its KV slot (split-KV kernel; needs CUDA
+    and triton; exact, not yet faster: docs/results.md); "auto" the kernel where it runs and
+    agrees with the dense path on a self-check."""
     decode_steps: int | None = Field(None, ge=1)
     """Decode steps the embedded engine runs between two host syncs (None: 8 on CUDA, 1 on CPU):
     more hide more of the scheduler's Python behind the GPU; a request that stops mid-call

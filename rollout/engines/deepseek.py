@@ -92,6 +92,8 @@ def deepseek_config(hf: Any) -> DecoderConfig:
 class MLADecoder(Decoder):
     """`Decoder` for the DeepSeek-V3 layout (see the module docstring)."""
 
+    supports_split_kv = False  # keys (nope + rope) are wider than values
+
     def __init__(self, config: DecoderConfig, hf_config: Any, device: Any, dtype: Any,
                  qkv_bias: bool = False) -> None:
         import torch

@@ -151,6 +151,7 @@ class LocalEngine:
         decode_steps: int | None = None,
         tokenizer: Any = None,
         lora_mode: str = "merged",
+        decode_attention: str = "dense",
     ) -> None:
         import torch
 
@@ -174,6 +175,7 @@ class LocalEngine:
         else:
             self.decoder = Decoder.from_pretrained(model_path, dev, dtype)  # type: ignore[arg-type]
         cfg = self.decoder.config
+        self.decode_attention = self._choose_decode_attention(decode_attention)
         self.max_model_len = min(max_model_len or cfg.max_positions, cfg.max_positions)
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
@@ -238,6 +240,34 @@ class LocalEngine:
         # calls (launch to results on the host), and the rest (admission, bookkeeping, the
         # episodes' own coroutines on this event loop): the GPU waits through that rest
         self.timers: dict[str, float] = dict.fromkeys(("prefill_s", "decode_s", "active_s"), 0.0)
+
+    def _choose_decode_attention(self, choice: str) -> str:
+        """``dense`` (the default): the batched GEMMs over the padded key length; ``triton``:
+        the split-KV kernel (`decode_attention`), or a clear error where it cannot run;
+        ``auto``: the kernel on CUDA when Triton is here and it agrees with the dense path on a
+        small case of this model's heads, else dense. Returns what decode uses. Not the default
+        because it did not measure faster on an H200 in the issue-22 loop (its one program per
+        query head reads a grouped key/value head once per query head)."""
+        from palaestra.rollout.engines import decode_attention as split_kv
+
+        if choice not in ("auto", "triton", "dense"):
+            raise ConfigError(f"decode_attention {choice!r}: use auto, triton or dense")
+        decoder = self.decoder
+        if choice == "dense" or not decoder.supports_split_kv:
+            return "dense"  # (MLA: keys and values of other widths keep the dense path)
+        why = None if split_kv.available(self.device.type) else (
+            "it needs a CUDA device and the triton package")
+        if why is None:
+            c = decoder.config
+            why = split_kv.self_check(self.device, self.dtype, c.num_heads, c.num_kv_heads,
+                                      c.head_dim)
+        if why is not None:
+            if choice == "triton":
+                raise ConfigError(f"decode_attention = 'triton' cannot run here: {why}; "
+                                  "use 'auto' or 'dense'")
+            return "dense"
+        decoder.split_kv_attention = True
+        return "triton"
 
     # ------------------------------------------------------------------------------- protocol
     #: `update_weights` applies between two decode steps while requests keep running, so a

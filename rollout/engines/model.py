@@ -137,6 +137,9 @@ class _Layer:
 class Decoder:
     """Fused weights + the batched forward passes of a Llama-family model."""
 
+    #: keys and values share one head width, so decode can use the split-KV kernel
+    supports_split_kv = True
+
     def __init__(self, config: DecoderConfig, hf_config: Any, device: Any, dtype: Any,
                  qkv_bias: bool) -> None:
         import torch
@@ -148,6 +151,9 @@ class Decoder:
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.q_dim, self.kv_dim = q_dim, kv_dim
         self.lora: Any = None  # a `palaestra.rollout.engines.lora.LoraRuntime` serving adapters
+        # decode attention to each row's own length (Triton, `decode_attention`); the engine
+        # turns it on after its self-check, else the batched dense GEMMs over the padded length
+        self.split_kv_attention = False
 
         def new(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, device=self.device, dtype=dtype)
@@ -480,22 +486,32 @@ class Decoder:
         rows = rows + positions[:, None]
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
-        keys = torch.arange(key_len, device=dev)
-        mask = torch.zeros(b, 1, key_len, device=dev, dtype=self.dtype)
-        mask.masked_fill_((keys[None, :] > positions[:, None]).unsqueeze(1), float("-inf"))
-        mask = mask.expand(b, hkv * rep, key_len).reshape(b * hkv, rep, key_len)
+        split_kv = self.split_kv_attention
+        if split_kv:  # each row reads its own positions only (`decode_attention`)
+            from palaestra.rollout.engines.decode_attention import decode_attention
+
+            lengths = (positions + 1).to(torch.int32)
+        else:
+            keys = torch.arange(key_len, device=dev)
+            mask = torch.zeros(b, 1, key_len, device=dev, dtype=self.dtype)
+            mask.masked_fill_((keys[None, :] > positions[:, None]).unsqueeze(1), float("-inf"))
+            mask = mask.expand(b, hkv * rep, key_len).reshape(b * hkv, rep, key_len)
         h = F.embedding(tokens, self.embed)
         for i, layer in enumerate(self.layers):
             x = F.rms_norm(h, (c.hidden_size,), layer.in_norm, c.rms_norm_eps)
             q, k, v = self._qkv(layer, x, cos, sin)
             cache.k[i].view(-1, d).index_put_((rows,), k)
             cache.v[i].view(-1, d).index_put_((rows,), v)
-            keys_i = cache.k[i][:b, :, :key_len].reshape(b * hkv, key_len, d)
-            vals_i = cache.v[i][:b, :, :key_len].reshape(b * hkv, key_len, d)
-            scores = torch.baddbmm(mask, q.reshape(b * hkv, rep, d), keys_i.transpose(1, 2),
-                                   alpha=self.scale)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vals_i.dtype)
-            attn = torch.bmm(probs, vals_i).view(b, self.q_dim)
+            if split_kv:
+                attn = decode_attention(q, cache.k[i], cache.v[i], lengths, self.scale,
+                                        key_len).view(b, self.q_dim)
+            else:
+                keys_i = cache.k[i][:b, :, :key_len].reshape(b * hkv, key_len, d)
+                vals_i = cache.v[i][:b, :, :key_len].reshape(b * hkv, key_len, d)
+                scores = torch.baddbmm(mask, q.reshape(b * hkv, rep, d),
+                                       keys_i.transpose(1, 2), alpha=self.scale)
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(vals_i.dtype)
+                attn = torch.bmm(probs, vals_i).view(b, self.q_dim)
             h = torch.addmm(h, attn, layer.o_w.t())
             if self.lora is not None:
                 h = self.lora.add(layer, "o", attn, h)

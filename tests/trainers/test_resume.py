@@ -132,7 +132,8 @@ def _rl(out: Path) -> dict[int, dict]:
 
 
 # what follows timing by nature; drift/*: which pooled agent runs the drift check (see report)
-_TIMING = ("time/", "perf/", "drift/", "train/step_time_s", "sync/", "time_s")
+_TIMING = ("time/", "perf/", "drift/", "train/step_time_s", "sync/", "time_s",
+           "engine/")  # engine/: the scheduler's seconds and calls, which follow arrival times
 
 
 def _exact(record: dict) -> dict:

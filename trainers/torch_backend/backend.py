@@ -59,10 +59,17 @@ from palaestra.trainers.torch_backend.distributed import (
     apply_fsdp2,
     setup_distributed,
 )
+from palaestra.trainers.torch_backend.fused_logprobs import shifted_linear_logprobs
+from palaestra.trainers.torch_backend.kernels import resolve_kernels
 from palaestra.trainers.torch_backend.logprobs import shift_values, shifted_token_logprobs
 from palaestra.trainers.torch_backend.optim import build_optimizer, build_scheduler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+#: architectures whose logits are exactly ``lm_head(last hidden state)`` (no soft-capping or
+#: logit scale), so the fused logprob path may skip the logits
+_FUSED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+                                "mixtral"})
 
 #: ``attn_implementation = "varlen"``: packed rows attend within each sequence through torch's
 #: variable-length flash kernel (per-sequence SDPA on CPU); no [tokens, tokens] mask is built
@@ -144,6 +151,7 @@ class TorchBackend:
         if self.lora is not None and self.fsdp:
             raise ConfigError("trainer.torch.lora runs on one process here (FSDP2 with a peft "
                               "model is not supported yet): drop torchrun or the lora section")
+        self.kernels = "torch"  # "liger" once Liger's kernels are patched into the policy
         self.model = self._load_model(self.model_path, trainable=True)
         self.routing_replay: Any = None  # `RoutingReplay` of the policy when replaying
         if self.config.routing_replay == "rollout":
@@ -168,6 +176,10 @@ class TorchBackend:
             return _DTYPES[self.config.dtype]
         if self.device.type == "cuda" and torch.cuda.is_bf16_supported():
             return torch.bfloat16
+        if self.device.type == "cpu" and not self.dist.is_distributed:
+            from palaestra.trainers.torch_backend.kernels import cpu_autocast_dtype
+
+            return cpu_autocast_dtype(self.config.cpu_autocast, self.model_path)
         return torch.float32
 
     def _load_model(self, path: Path, *, trainable: bool) -> torch.nn.Module:
@@ -202,6 +214,13 @@ class TorchBackend:
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
         model.config.use_cache = False
+        if resolve_kernels(self.config.kernels, self.device,
+                           getattr(model.config, "model_type", None)) == "liger":
+            from palaestra.trainers.torch_backend.kernels import apply_liger_kernels
+
+            apply_liger_kernels(model)
+            if trainable:
+                self.kernels = "liger"
         if trainable and self.config.gradient_checkpointing:
             _enable_checkpointing(model)
         if trainable and self.lora is not None:
@@ -229,9 +248,10 @@ class TorchBackend:
 
     # ------------------------------------------------------------------------- forwards
     def _run_model(
-        self, model: torch.nn.Module, mb: MicroBatch
+        self, model: torch.nn.Module, mb: MicroBatch, *, hidden: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits ``[R, L, V]`` and the valid-position mask ``[R, L]`` of a micro-batch."""
+        """Logits ``[R, L, V]`` (``hidden``: the last hidden states ``[R, L, H]``, the output
+        layer skipped) and the valid-position mask ``[R, L]`` of a micro-batch."""
         extra: dict[str, Any] = {}
         if self.config.attn_implementation == VARLEN:
             lengths = [n for _, _, n in mb.spans]
@@ -242,7 +262,7 @@ class TorchBackend:
         if self.routing_replay is not None and model is self.model:
             self.routing_replay.set(mb.routed_experts)  # kept for a backward recompute
         with self._autocast():
-            out = model(
+            out = (model.get_decoder() if hidden else model)(  # type: ignore[operator]
                 input_ids=mb.input_ids,
                 position_ids=mb.position_ids,
                 attention_mask=mb.attention_mask,
@@ -250,18 +270,48 @@ class TorchBackend:
                 **extra,
             )
         valid = (mb.seq_index >= 0) & (mb.position_ids > 0)
-        return out.logits, valid
+        return (out.last_hidden_state if hidden else out.logits), valid
+
+    def _fused_head(self, model: torch.nn.Module) -> torch.nn.Linear | None:
+        """The output layer when logprobs may come from hidden states; None: use the logits."""
+        if not self.config.fused_logprobs or self.fsdp or self.config.critic:
+            return None  # FSDP2 gathers the head's weight only inside the root's own forward
+        if getattr(model.config, "model_type", None) not in _FUSED_MODEL_TYPES:
+            return None
+        head = model.get_output_embeddings()  # type: ignore[operator]
+        return head if type(head) is torch.nn.Linear else None  # a LoRA-wrapped head: logits
+
+    def _policy_logprobs(
+        self, model: torch.nn.Module, mb: MicroBatch, *, with_entropy: bool, entropy_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token logprobs ``[R, L]`` (with autograd) and the entropy (differentiable only with
+        ``entropy_grad``), by the fused path where it applies, else from the logits."""
+        temperature = self.config.logits_temperature
+        head = self._fused_head(model)
+        if head is None:  # chunked float32 work on the logits, recomputed in the backward
+            logits, valid = self._run_model(model, mb)
+            logp, entropy = shifted_token_logprobs(
+                logits, mb.input_ids, valid, with_entropy=with_entropy, temperature=temperature)
+        else:
+            hidden, valid = self._run_model(model, mb, hidden=True)
+            with self._autocast():
+                logp, entropy = shifted_linear_logprobs(
+                    hidden, head.weight, mb.input_ids, valid, bias_V=head.bias,
+                    temperature=temperature, with_entropy=with_entropy,
+                    chunk_tokens=self.config.logprob_chunk_tokens,
+                )
+        if entropy is not None and not entropy_grad:  # a metric: its backward costs nothing
+            entropy = entropy.detach()
+        return logp, entropy
 
     def _token_stats(
         self, model: torch.nn.Module, mb: MicroBatch, *, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        logits, valid = self._run_model(model, mb)
         if self.config.critic and model is self.model:
+            logits, valid = self._run_model(model, mb)
             return shift_values(logits[..., 0].float(), valid), None
-        return shifted_token_logprobs(
-            logits, mb.input_ids, valid, with_entropy=with_entropy,
-            temperature=self.config.logits_temperature,
-        )
+        return self._policy_logprobs(model, mb, with_entropy=with_entropy,
+                                     entropy_grad=with_entropy)
 
     def _dummy_micro_batch(self) -> MicroBatch:
         """Two tokens whose result is discarded: keeps FSDP collectives in step across ranks."""
@@ -354,18 +404,10 @@ class TorchBackend:
                 cfg, values=values, weights=f["weights"], old_values=f["old_values"],
                 returns=f["returns"],
             )
-        logits, valid = self._run_model(self.model, mb)
-        temperature = self.config.logits_temperature
-        grad_entropy = cfg.objective == "rl" and cfg.entropy_coef > 0
-        logp, entropy = shifted_token_logprobs(
-            logits, mb.input_ids, valid, with_entropy=grad_entropy, temperature=temperature
+        logp, entropy = self._policy_logprobs(
+            self.model, mb, with_entropy=cfg.objective != "dpo",
+            entropy_grad=cfg.objective == "rl" and cfg.entropy_coef > 0,
         )
-        if entropy is None and cfg.objective != "dpo":
-            with torch.no_grad():
-                entropy = shifted_token_logprobs(
-                    logits.detach(), mb.input_ids, valid, with_entropy=True,
-                    temperature=temperature,
-                )[1]
         if cfg.objective == "sft":
             return sft_loss_micro(logp=logp, weights=f["weights"], entropy=entropy)
         if cfg.objective == "dpo":

@@ -50,6 +50,28 @@ class TorchBackendConfig(OptimizerSettings):
     pack_sequences: bool = True
     """Pack several sequences per row (position ids restart per sequence); else right-pad."""
 
+    fused_logprobs: bool = True
+    """Compute token logprobs and entropies from the last hidden states in chunks of
+    ``logprob_chunk_tokens`` (lm_head matmul + float32 log-softmax per chunk, recomputed in the
+    backward) instead of materialising ``[tokens, vocab]`` float32 logits. Used for the
+    architectures whose output layer is a plain Linear (llama, mistral, qwen2/3, qwen3_moe,
+    mixtral) and not under FSDP2; elsewhere the logits path runs."""
+
+    logprob_chunk_tokens: int = Field(4096, ge=1)
+    """Tokens per chunk of the fused logprob path (4096 x a 152k vocabulary: 2.5 GB float32)."""
+
+    kernels: Literal["auto", "torch", "liger"] = "auto"
+    """"liger": liger-kernel's Triton RMSNorm, RoPE and SwiGLU patched into the model (CUDA
+    only; ``pip install 'palaestra[liger]'``; llama, mistral, qwen2, qwen3, qwen3_moe, mixtral).
+    "torch": never. "auto": Liger on CUDA for the dense types where liger-kernel is installed
+    (measured faster, logprobs within bf16 noise: ``benchmarks/perf/logprobs.py``), else torch."""
+
+    cpu_autocast: Literal["auto", "bf16", "off"] = "auto"
+    """On CPU with ``dtype = "auto"``: "bf16" runs forward/backward under bfloat16 autocast
+    (float32 master weights and float32 log-softmax), "off" in float32. "auto": bf16 only where
+    the CPU has AVX512-BF16/AMX and the model is big enough for it to measure faster
+    (``benchmarks/perf/logprobs.py --cpu-autocast``)."""
+
     gradient_checkpointing: bool = False
     """Recompute activations in the backward pass (less memory, ~30% more compute)."""
 

@@ -4,28 +4,18 @@
 ``logits[:, t - 1]``; position 0 of every sequence (and of every packed sub-sequence, whose
 first logit would come from the previous sequence) gets 0 and is never trained on.
 
-Everything is computed in float32 (bf16 log-softmax loses ~2 digits), in chunks of rows when no
-gradient is needed so the float32 copy of a ``[tokens, vocab]`` logit matrix stays small.
+Everything is computed in float32 (bf16 log-softmax loses ~2 digits), in chunks of rows, so the
+float32 copy of a ``[tokens, vocab]`` logit matrix never exists whole (the backward recomputes
+each chunk). `palaestra.trainers.torch_backend.fused_logprobs` goes one step further and skips
+the logits themselves.
 """
 
 from __future__ import annotations
 
 import torch
 
-#: tokens per chunk of the no-grad path (4096 x 152k vocab x 4 bytes = 2.5 GB)
+#: rows per chunk of the float32 work (4096 x 152k vocab x 4 bytes = 2.5 GB)
 NO_GRAD_CHUNK = 4096
-
-
-def _logprobs_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    logits = logits.float()
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = None
-    if with_entropy:
-        entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, entropy
 
 
 def token_logprobs(
@@ -37,25 +27,17 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log softmax(logits / temperature)[target]`` (and entropy) over the last dim.
 
-    Shapes: ``logits [..., V]``, ``targets [...]``; results ``[...]`` in float32.
+    Shapes: ``logits [..., V]``, ``targets [...]``; results ``[...]`` in float32. The float32
+    work runs in chunks of rows, with or without a gradient: the Megatron backend's one-rank
+    `vocab_parallel_logprobs`, whose backward recomputes each chunk's softmax instead of
+    keeping float32 ``[tokens, V]`` copies.
     """
+    from palaestra.trainers.megatron.logprobs import vocab_parallel_logprobs
+
     if temperature != 1.0:
         logits = logits / temperature
-    if torch.is_grad_enabled() and logits.requires_grad:
-        return _logprobs_entropy(logits, targets, with_entropy)
-    flat_logits = logits.reshape(-1, logits.shape[-1])
-    flat_targets = targets.reshape(-1)
-    parts = [
-        _logprobs_entropy(flat_logits[i : i + NO_GRAD_CHUNK], flat_targets[i : i + NO_GRAD_CHUNK],
-                          with_entropy)
-        for i in range(0, flat_targets.shape[0], NO_GRAD_CHUNK)
-    ]
-    logp = torch.cat([p[0] for p in parts]).reshape(targets.shape)
-    entropy = (
-        torch.cat([p[1] for p in parts if p[1] is not None]).reshape(targets.shape)
-        if with_entropy else None
-    )
-    return logp, entropy
+    return vocab_parallel_logprobs(logits, targets, with_entropy=with_entropy,
+                                   chunk_rows=NO_GRAD_CHUNK)
 
 
 def shifted_token_logprobs(
