@@ -70,9 +70,9 @@ def test_colocated_loop_on_one_gpu_frees_each_side_per_phase(tmp_path):
         assert row["memory/engine_train_gib"] == 0.0  # nothing of the engine while training
         assert row["memory/engine_rollout_gib"] > 0.0  # its weights and KV cache when serving
         assert row["memory/offloaded_gib"] > 0.0  # weights, grads, Adam state to host memory
-        # the rollout phase holds the engine, not the trainer: less than engine + trainer state
-        assert row["memory/rollout_gib"] < row["memory/engine_rollout_gib"] \
-            + row["memory/offloaded_gib"]
+        # the trainer's state is in host memory while the engine serves: the rollout phase
+        # holds less than the training phase's peak (on the H200: 0.37-0.82 GiB vs 0.56-0.96)
+        assert row["memory/rollout_gib"] < row["memory/train_peak_gib"]
     for a, b in zip(colo, plain):
         if a["train/num_tokens"] == b["train/num_tokens"]:  # the same samples: the same step
             assert a["loss"] == pytest.approx(b["loss"], abs=1e-3)
