@@ -113,6 +113,15 @@ class TensorSync(_SyncSettings):
     kind: Literal["tensor"] = "tensor"
 
 
+class IpcSync(_BucketSettings):
+    """CUDA IPC (or shared-memory) handles through ``/update_weights_from_tensor``, bucketed:
+    servers on this host and GPU (colocated) map the trainer's memory; no bytes over HTTP."""
+
+    kind: Literal["ipc"] = "ipc"
+    timeout_s: float = Field(600.0, gt=0.0)
+    """How long one bucket's request may take."""
+
+
 class DistributedSync(_DistributedSettings):
     """SGLang's weight-update group: NCCL broadcast (or gloo) from the trainer to the servers."""
 
@@ -126,8 +135,8 @@ class DiskSync(_DiskSettings):
 
 
 class AutoSync(_DistributedSettings, _DiskSettings):
-    """in_process for the embedded engine; for SGLang servers distributed when CUDA is here,
-    else disk (so it carries the settings of both)."""
+    """in_process for the embedded engine; for SGLang servers ipc when colocated on this
+    host's GPU, distributed when CUDA is here, else disk (so it carries the settings of all)."""
 
     kind: Literal["auto"] = "auto"
 
@@ -148,11 +157,11 @@ def _sync_kind(value: Any) -> str | None:
 WeightSyncSettings = (
     Annotated[AutoSync, Tag("auto")] | Annotated[InProcessSync, Tag("in_process")]
     | Annotated[DistributedSync, Tag("distributed")] | Annotated[DiskSync, Tag("disk")]
-    | Annotated[TensorSync, Tag("tensor")]
+    | Annotated[TensorSync, Tag("tensor")] | Annotated[IpcSync, Tag("ipc")]
 )
 _SYNC_KINDS: dict[str, Any] = {"auto": AutoSync, "in_process": InProcessSync,
                                "distributed": DistributedSync, "disk": DiskSync,
-                               "tensor": TensorSync}
+                               "tensor": TensorSync, "ipc": IpcSync}
 #: the flat settings of earlier configs (``engine.sync_dir``) -> their ``engine.weight_sync`` name
 _FLAT_SYNC = {"sync_backend": "backend", "sync_master_address": "master_address",
               "sync_master_port": "master_port", "sync_bucket_mb": "bucket_mb",
@@ -196,9 +205,11 @@ class EngineSection(Section):
     """How new weights reach the engines after each step (``[engine.weight_sync] kind``).
     in_process: the embedded engine's tensors are overwritten; distributed: SGLang's
     weight-update group (NCCL broadcast, or gloo); disk: safetensors in ``dir`` +
-    /update_weights_from_disk; tensor: base64 safetensors over HTTP (palaestra serve only).
-    auto: in_process for the embedded engine; for SGLang servers distributed over NCCL when CUDA
-    is here, else disk."""
+    /update_weights_from_disk; tensor: base64 safetensors over HTTP (palaestra serve only);
+    ipc: CUDA IPC handles through /update_weights_from_tensor (servers on this host and GPU).
+    auto: in_process for the embedded engine; for SGLang servers ipc when ``[placement]
+    colocate`` puts them on this host's GPU, else distributed over NCCL when CUDA is here, else
+    disk."""
 
     @model_validator(mode="before")
     @classmethod

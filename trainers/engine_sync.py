@@ -2,7 +2,8 @@
 
 `EngineSync.from_config` picks the path of ``[engine.weight_sync]``: the embedded engine's
 tensors overwritten in process; SGLang servers through a weight-update group (NCCL or gloo
-broadcast), through disk, or base64 tensors over HTTP. `EngineSync.weights_of(backend)` is the
+broadcast), CUDA IPC handles (``ipc``: servers colocated on this host's GPU map the trainer's
+memory, bucket by bucket), through disk, or base64 tensors over HTTP. `EngineSync.weights_of(backend)` is the
 `WeightPush` the rollout manager runs between pausing and resuming generation; `last` holds the
 timing of the newest push (logged as ``sync/*``).
 
@@ -33,8 +34,10 @@ if TYPE_CHECKING:
     from palaestra.trainers.group.push import EnginePushSpec
 
 
-def resolve_method(engine: EngineSection) -> str:
-    """The concrete path of ``engine.weight_sync`` (``auto`` decided by engine kind and CUDA)."""
+def resolve_method(engine: EngineSection, *, colocate: bool = False) -> str:
+    """The concrete path of ``engine.weight_sync``: ``auto`` is decided by engine kind, CUDA and
+    placement: ``ipc`` for servers colocated with the trainer (``[placement] colocate``) on this
+    host's GPU (their URLs are this host's), else ``distributed`` on CUDA, else ``disk``."""
     method: str = engine.weight_sync.kind
     if method != "auto":
         return method
@@ -42,7 +45,13 @@ def resolve_method(engine: EngineSection) -> str:
         return "in_process"
     import torch
 
-    return "distributed" if torch.cuda.is_available() else "disk"
+    from palaestra.rollout.engines.weight_transfer import on_this_host
+
+    if not torch.cuda.is_available():
+        return "disk"
+    if colocate and all(on_this_host(u) for u in engine.urls):  # launched servers are local
+        return "ipc"
+    return "distributed"
 
 
 def _servers(engine: LocalEngine | SGLangEngine, method: str) -> list[SGLangClient]:
@@ -79,18 +88,20 @@ class EngineSync:
 
     @classmethod
     def from_config(cls, settings: EngineSection, engine: LocalEngine | SGLangEngine,
-                    policy_path: Path, *, out: str) -> EngineSync:
+                    policy_path: Path, *, out: str, colocate: bool = False) -> EngineSync:
         """The sync of ``[engine]`` (``settings``) to ``engine``; ``out``: the run directory
-        (``{out}`` in ``weight_sync.dir``)."""
+        (``{out}`` in ``weight_sync.dir``); ``colocate``: ``[placement] colocate`` (auto may
+        pick ``ipc``)."""
         import torch
 
         from palaestra.rollout.engines.weight_transfer import (
             DiskWeightSender,
             DistributedWeightSender,
+            IpcWeightSender,
         )
-        from palaestra.trainers.config import DiskSync, DistributedSync
+        from palaestra.trainers.config import DiskSync, DistributedSync, IpcSync
 
-        method = resolve_method(settings)
+        method = resolve_method(settings, colocate=colocate)
         e = settings.sync_settings(method)
         dtype = getattr(torch, e.dtype) if e.dtype else None
         sender: Any = None
@@ -109,6 +120,10 @@ class EngineSync:
         elif isinstance(e, DiskSync):
             sender = DiskWeightSender(_servers(engine, method), e.dir.replace("{out}", out),
                                       model_dir=policy_path, keep_last=2)
+            bucket_mb = e.bucket_mb
+        elif isinstance(e, IpcSync):  # handles of the trainer's own (CUDA) tensors, bucketed
+            sender = IpcWeightSender(_servers(engine, method), timeout_s=e.timeout_s)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
             bucket_mb = e.bucket_mb
         sync = cls(method, engine, sender=sender, bucket_bytes=bucket_mb << 20,
                    dtype=dtype, device=device)
@@ -174,6 +189,7 @@ class EngineSync:
         from palaestra.rollout.engines.weight_transfer import (
             DiskWeightSender,
             DistributedWeightSender,
+            IpcWeightSender,
         )
         from palaestra.trainers.group.push import EnginePushSpec
 
@@ -186,6 +202,9 @@ class EngineSync:
         elif isinstance(s, DiskWeightSender):
             kw = {"directory": str(s.directory),
                   "model_dir": None if s.model_dir is None else str(s.model_dir)}
+        elif isinstance(s, IpcWeightSender):  # rank 0 must share the servers' host and GPU
+            kw = {"timeout_s": s.timeout_s,
+                  "tp_sizes": tuple(int(getattr(c, "tp_size", 1)) for c in clients)}
         else:
             kw = {"tp_sizes": tuple(int(getattr(c, "tp_size", 1)) for c in clients)}
         return EnginePushSpec(
@@ -267,6 +286,7 @@ class EngineSync:
         from palaestra.rollout.engines.weight_transfer import (
             DiskWeightSender,
             DistributedWeightSender,
+            IpcWeightSender,
             TransferStats,
         )
 
@@ -280,6 +300,8 @@ class EngineSync:
         elif isinstance(s, DiskWeightSender):
             one = DiskWeightSender([client], s.directory, model_dir=s.model_dir,
                                    keep_last=s.keep_last)
+        elif isinstance(s, IpcWeightSender):
+            one = IpcWeightSender([client], timeout_s=s.timeout_s)
         elif s is None and self.method == "tensor":
             start = time.perf_counter()
             weights = backend.state_dict_for_engines(dtype=self.dtype, device="cpu")
@@ -291,7 +313,7 @@ class EngineSync:
         else:
             raise ConfigError(f"engine.weight_sync {self.method!r} cannot reach a server that "
                               "joins a running run; engines join runs with engine.kind = "
-                              "'sglang' (weight_sync distributed, disk or tensor)")
+                              "'sglang' (weight_sync distributed, ipc, disk or tensor)")
         try:
             await one.connect()
             return await one.push(backend.iter_engine_weight_buckets(

@@ -11,6 +11,10 @@ GPU 0 and pushes them (changed before every push) to:
 * ``nccl``: a `palaestra serve` process on GPU 1 through SGLang's weight-update group
   (`DistributedWeightSender`; the group is formed once, its setup timed apart);
 * ``disk``: the same server through ``/update_weights_from_disk`` (`DiskWeightSender`, local disk);
+* ``ipc``: the same server through ``/update_weights_from_tensor`` with CUDA IPC handles
+  (`IpcWeightSender`; the server must see GPU 0: ``--server-gpu 0`` puts it on the trainer's
+  GPU, the colocated case (no nccl row then: NCCL refuses two ranks on one GPU), ``1,0`` on
+  another GPU of the host, the copies going peer to peer);
 * ``http_tensor``: base64 safetensors through ``/update_weights_from_tensor`` (small models only).
 
 Every push is checked: a few weights are read back (``/get_weights_by_name``) and must equal the
@@ -74,6 +78,7 @@ async def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from palaestra.rollout.engines.weight_transfer import (
         DiskWeightSender,
         DistributedWeightSender,
+        IpcWeightSender,
         bucketize,
     )
 
@@ -127,21 +132,24 @@ async def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     client = SGLangClient(server.url, retries=0)
     try:
         await server.wait_ready(600)
-        sender = DistributedWeightSender([client], backend=backend)
-        t0 = time.perf_counter()
-        await sender.connect()
-        row["nccl_group_setup_s"] = time.perf_counter() - t0
         times, version = [], 10
-        for _ in range(args.reps):
-            change()
-            version += 1
-            stats = await sender.push(bucketize(weights.items(), bucket), version)
-            times.append(stats.seconds)
-            await _check(lambda n: client.get_weights_by_name(n, 4), weights, dtype)
-        row["nccl_s"] = statistics.median(times)
-        row["nccl_backend"] = backend
-        row["nccl_buckets"] = stats.num_buckets
-        await sender.close()
+        # NCCL refuses two ranks on one GPU: a server on the trainer's GPU gets no nccl row
+        if args.smoke or args.server_gpu.split(",")[0] != "0":
+            sender = DistributedWeightSender([client], backend=backend)
+            t0 = time.perf_counter()
+            await sender.connect()
+            row["nccl_group_setup_s"] = time.perf_counter() - t0
+            times, version = [], 10
+            for _ in range(args.reps):
+                change()
+                version += 1
+                stats = await sender.push(bucketize(weights.items(), bucket), version)
+                times.append(stats.seconds)
+                await _check(lambda n: client.get_weights_by_name(n, 4), weights, dtype)
+            row["nccl_s"] = statistics.median(times)
+            row["nccl_backend"] = backend
+            row["nccl_buckets"] = stats.num_buckets
+            await sender.close()
 
         disk = DiskWeightSender([client], work / "pushed", model_dir=model_dir)
         await disk.connect()
@@ -153,6 +161,22 @@ async def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
             await _check(lambda n: client.get_weights_by_name(n, 4), weights, dtype)
         row["disk_s"] = statistics.median(times)
 
+        # CUDA IPC maps GPU 0's memory: the server must see GPU 0 (``--server-gpu 0``: the
+        # colocated case; "1,0": another GPU of the host, peer to peer)
+        if args.smoke or "0" in args.server_gpu.split(","):
+            ipc = IpcWeightSender([client])
+            change()  # the first push starts torch's shm manager / opens the CUDA context: apart
+            version += 1
+            first = await ipc.push(bucketize(weights.items(), bucket), version)
+            row["ipc_first_s"] = first.seconds
+            times = []
+            for _ in range(args.reps):
+                change()
+                version += 1
+                times.append((await ipc.push(bucketize(weights.items(), bucket), version)).seconds)
+                await _check(lambda n: client.get_weights_by_name(n, 4), weights, dtype)
+            row["ipc_s"] = statistics.median(times)
+
         if nbytes <= args.http_max_gb * 1e9:
             change()
             version += 1
@@ -163,7 +187,7 @@ async def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await client.close()
         server.stop()
-    for key in ("in_process", "nccl", "disk", "http_tensor"):
+    for key in ("in_process", "nccl", "ipc", "disk", "http_tensor"):
         if f"{key}_s" in row:
             row[f"{key}_gbytes_per_s"] = nbytes / 1e9 / row[f"{key}_s"]
     return row
@@ -174,12 +198,14 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(head)
     print("-" * len(head))
     for r in rows:
-        for key in ("in_process", "nccl", "disk", "http_tensor"):
+        for key in ("in_process", "nccl", "ipc", "disk", "http_tensor"):
             if f"{key}_s" in r:
                 print(f"{r['model']:<13}{r['gbytes']:>6.2f}{key:>14}{r[f'{key}_s']:>10.3f}"
                       f"{r[f'{key}_gbytes_per_s']:>8.1f}")
         if "nccl_group_setup_s" in r:
             print(f"{'':<13}{'':>6}{'nccl setup':>14}{r['nccl_group_setup_s']:>10.3f}")
+        if "ipc_first_s" in r:
+            print(f"{'':<13}{'':>6}{'ipc first':>14}{r['ipc_first_s']:>10.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,8 @@
 Endpoints, request bodies and responses follow SGLang's ``http_server.py`` and ``io_struct.py``
 (field tables in `sglang_protocol`), so `SGLangEngine` and any SGLang client talk to this server
 as to SGLang itself. Differences, all answered with a clear 400: ``/update_weights_from_tensor``
-takes base64 safetensors payloads (see `tensor_payload`), weight-update groups (`weight_group`)
+takes SGLang's CUDA IPC / shared-memory pickles (`ipc_payload`, same host) and also base64
+safetensors payloads (see `tensor_payload`), weight-update groups (`weight_group`)
 take "nccl" on a CUDA engine and also "gloo" (CPU), and multimodal inputs, LoRA, prompt logprobs
 and grammars are refused.
 The OpenAI-compatible routes live in `openai_api`.
@@ -600,7 +601,7 @@ def build_app(state: ServerState) -> web.Application:
                                   "num_paused_requests": paused}, status=200 if ok else 400)
 
     async def update_from_tensor(request: web.Request) -> web.Response:
-        from palaestra.rollout.engines.tensor_payload import decode_named_tensors
+        from palaestra.rollout.engines.tensor_payload import decode_payload
 
         body = sp.check_body(await read_json(request, state), sp.UPDATE_WEIGHTS_FROM_TENSOR_REQ_INPUT,
                              "UpdateWeightsFromTensorReqInput")
@@ -610,10 +611,19 @@ def build_app(state: ServerState) -> web.Application:
         if body.get("load_format") not in (None, "safetensors"):
             raise ConfigError(
                 f"load_format {body['load_format']!r} is not supported; palaestra serve takes "
-                "base64 safetensors payloads (load_format null or 'safetensors')"
+                "(name, tensor) pairs: SGLang's IPC pickle or base64 safetensors (load_format "
+                "null or 'safetensors')"
             )
-        tensors = decode_named_tensors(payloads[0])  # tp rank 0: this server is one rank
-        return await _load_tensors(body, tensors)
+        # tp rank 0: this server is one rank. IPC handles map the sender's memory: copied into
+        # the engine (and the copies finished) before the answer lets the sender free them
+        tensors, shared = decode_payload(payloads[0])
+        answer = await _load_tensors(body, tensors)
+        if shared and engine.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(engine.device)
+        del tensors
+        return answer
 
     async def init_group(request: web.Request) -> web.Response:
         from palaestra.rollout.engines.weight_group import init_weight_group

@@ -12,8 +12,9 @@ them to answer, and routes over several with `Router` (least outstanding request
 sessions for prefix-cache reuse, failover).
 
 Tensors for ``/update_weights_from_tensor``: SGLang expects ``MultiprocessingSerializer``
-payloads (same host; needs sglang importable in the trainer) — ``tensor_format="sglang"``;
-`palaestra serve` takes base64 safetensors — ``tensor_format="safetensors"`` (the default).
+payloads (CUDA IPC or shared-memory handles, same host; written by `ipc_payload` without sglang
+installed) — ``tensor_format="sglang"``; `palaestra serve` takes those and base64 safetensors —
+``tensor_format="safetensors"`` (the default). `IpcWeightSender` sends buckets of handles.
 """
 
 from __future__ import annotations
@@ -215,14 +216,28 @@ class SGLangClient:
             from palaestra.rollout.engines.tensor_payload import encode_named_tensors
 
             return encode_named_tensors(named)
-        if importlib.util.find_spec("sglang") is None:
-            raise MissingExtraError.for_module("sglang", "sglang")
-        import base64
+        from palaestra.rollout.engines.ipc_payload import encode_ipc_named_tensors
 
-        from sglang.srt.utils import MultiprocessingSerializer  # type: ignore[import-not-found]
+        # the handles stay valid while the tensors live: this call awaits the answer, and the
+        # caller's state dict holds the CUDA tensors (CPU ones are shared copies, kept by torch
+        # until the server let go of its mapping)
+        payload, _ = encode_ipc_named_tensors(named.items() if isinstance(named, Mapping)
+                                              else named)
+        return payload
 
-        pairs = list(named.items() if isinstance(named, Mapping) else named)
-        return base64.b64encode(MultiprocessingSerializer.serialize(pairs)).decode("ascii")
+    async def update_weights_from_tensor(self, payload: str, *, version: int,
+                                         flush_cache: bool = False,
+                                         load_format: str | None = None,
+                                         timeout_s: float | None = None) -> dict[str, Any]:
+        """One ``/update_weights_from_tensor`` bucket: ``payload`` (one serialised entry) for
+        every TP rank, generation not aborted (the caller paused it); SGLang's answer."""
+        out = await self.request("POST", "/update_weights_from_tensor", {
+            "serialized_named_tensors": [payload] * self.tp_size, "load_format": load_format,
+            "flush_cache": flush_cache, "abort_all_requests": False,
+            "weight_version": str(version)}, retries=0, timeout_s=timeout_s)
+        if isinstance(out, dict) and out.get("success"):
+            self._version = int(version)
+        return out  # type: ignore[no-any-return]
 
     # ------------------------------------------------------ weight-update groups (NCCL / gloo)
     async def load_lora_adapter(self, name: str, path: str, *, pinned: bool = False

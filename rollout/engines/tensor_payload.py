@@ -5,10 +5,11 @@ that carries CUDA IPC handles or shared-memory file descriptors, so the tensors 
 over HTTP: the trainer and the server share a host), base64-encoded for JSON. Those handles only
 mean something to torch's multiprocessing reductions on the same host and device.
 
-`palaestra serve` accepts a self-contained, same-host-or-not form instead: base64 of the
-**safetensors** serialisation of the named tensors (``safetensors.torch.save``). It is detected
-by its header (8-byte little-endian length followed by a JSON object), so an SGLang pickle
-payload gets a clear 400 instead of an unpickling attempt (which would also be unsafe).
+`palaestra serve` accepts both forms, told apart by their first bytes (`decode_payload`): SGLang's
+pickle of handles (same host; `ipc_payload` unpickles it with an allowlist, so it cannot run
+arbitrary code) and a self-contained, same-host-or-not form: base64 of the **safetensors**
+serialisation of the named tensors (``safetensors.torch.save``), detected by its header (8-byte
+little-endian length followed by a JSON object).
 """
 
 from __future__ import annotations
@@ -66,4 +67,26 @@ def decode_named_tensors(payload: str) -> dict[str, torch.Tensor]:
     return load(raw)
 
 
-__all__ = ["SAFETENSORS_FORMAT", "decode_named_tensors", "encode_named_tensors", "is_safetensors"]
+def decode_payload(payload: str) -> tuple[list[tuple[str, torch.Tensor]], bool]:
+    """The ``(name, tensor)`` pairs of one entry, either form; the flag says whether they are
+    handles into the sender's memory (an IPC pickle: copy them before answering)."""
+    from palaestra.rollout.engines.ipc_payload import decode_ipc_named_tensors, is_pickle
+
+    try:
+        raw = base64.b64decode(payload, validate=True)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"serialized_named_tensors entries must be base64 strings: {exc}") from exc
+    if is_safetensors(raw):
+        from safetensors.torch import load
+
+        return list(load(raw).items()), False
+    if is_pickle(raw):
+        return decode_ipc_named_tensors(raw), True
+    raise ConfigError(
+        "serialized_named_tensors entries must hold base64 safetensors bytes or SGLang's "
+        "MultiprocessingSerializer pickle of (name, tensor) pairs (see "
+        "palaestra.rollout.engines.tensor_payload and ipc_payload)")
+
+
+__all__ = ["SAFETENSORS_FORMAT", "decode_named_tensors", "decode_payload", "encode_named_tensors",
+           "is_safetensors"]

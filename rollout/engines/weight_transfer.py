@@ -1,12 +1,15 @@
-"""Push trained weights to SGLang-compatible servers: NCCL/gloo broadcast, or through disk.
+"""Push trained weights to SGLang-compatible servers: NCCL/gloo broadcast, handles, or disk.
 
-Both senders take HF-named buckets (lists of ``(name, tensor)``, see `bucketize`) and a version:
+The senders take HF-named buckets (lists of ``(name, tensor)``, see `bucketize`) and a version:
 
 * `DistributedWeightSender` is the trainer side of SGLang's ``/init_weights_update_group`` +
   ``/update_weights_from_distributed``: one process group (rank 0 = this trainer, then each
   server's TP ranks), one HTTP request per bucket announcing names/dtypes/shapes while the
   tensors are broadcast. "nccl" moves CUDA tensors GPU to GPU; "gloo" moves CPU tensors (a CPU
   `palaestra serve`, and the tests).
+* `IpcWeightSender` is the colocated path (``/update_weights_from_tensor`` with CUDA IPC or
+  shared-memory handles, SGLang's ``MultiprocessingSerializer`` format): servers on this host map
+  the trainer's memory and copy out of it, one bucket at a time.
 * `DiskWeightSender` is the fallback that needs only a shared filesystem: safetensors files plus
   the model's config and tokenizer files in ``<directory>/v<version>``, then
   ``/update_weights_from_disk`` on every server; older versions are pruned.
@@ -289,6 +292,86 @@ def _discard_result(future: asyncio.Future[Any]) -> None:
         future.exception()  # retrieved: no "exception was never retrieved" at exit
 
 
+class IpcWeightSender:
+    """``/update_weights_from_tensor`` with handles, bucket by bucket: trainer and servers share
+    the host (and, for CUDA tensors, the GPU), so the servers map the trainer's memory and copy
+    out of it; nothing crosses the wire but a pickle of handles (see `ipc_payload`).
+
+    Each bucket is one request per server; the bucket's tensors (and any temporary copies the
+    bucketing made) stay alive until every server answered, then go, so the extra memory is one
+    bucket at most. The prefix caches are flushed after the last bucket.
+    """
+
+    def __init__(self, clients: Sequence[SGLangClient], *, timeout_s: float = 600.0) -> None:
+        if not clients:
+            raise ConfigError("IpcWeightSender needs at least one server")
+        self.clients = list(clients)
+        self.timeout_s = timeout_s
+        self.unflushed = 0
+
+    async def connect(self) -> None:
+        """Refuse servers that cannot map this host's memory (another host by URL)."""
+        for client in self.clients:
+            if not on_this_host(client.url):
+                raise ConfigError(
+                    f"{client.url} is not on this host: CUDA IPC / shared-memory handles only "
+                    "open on the same machine; use engine.weight_sync.kind = 'distributed' "
+                    "(NCCL) or 'disk' for servers elsewhere")
+
+    async def push(self, buckets: Iterable[Bucket], version: int) -> TransferStats:
+        from palaestra.rollout.engines.ipc_payload import encode_ipc_named_tensors
+
+        await self.connect()
+        _synchronize()
+        start = time.perf_counter()
+        nbytes = ntensors = nbuckets = 0
+        seen = _Seen()
+        for bucket in buckets:
+            unique = seen.new(bucket)
+            if not unique:
+                continue
+            payload, alive = encode_ipc_named_tensors(unique)
+            _synchronize()  # the handles point at finished values (casts, gathers)
+            answers = await asyncio.gather(*(c.update_weights_from_tensor(
+                payload, version=version, timeout_s=self.timeout_s) for c in self.clients))
+            for client, out in zip(self.clients, answers, strict=True):
+                _check(out, "/update_weights_from_tensor", client.url)
+            nbuckets += 1
+            ntensors += len(unique)
+            nbytes += sum(t.numel() * t.element_size() for _, t in unique)
+            del alive, payload, unique, bucket  # every server copied them: free the bucket
+        flushed = await asyncio.gather(*(c.flush_cache_quietly() for c in self.clients))
+        self.unflushed = len(flushed) - sum(flushed)
+        _release_ipc()
+        _synchronize()
+        return TransferStats(time.perf_counter() - start, nbytes, ntensors, nbuckets)
+
+    async def close(self) -> None:
+        _release_ipc()
+
+
+def on_this_host(url: str) -> bool:
+    """Whether ``url``'s host is this machine (loopback, its name, or one of its addresses)."""
+    from urllib.parse import urlparse
+
+    host = urlparse(url if "//" in url else f"//{url}").hostname or ""
+    if host in ("localhost", "::1", "0.0.0.0", socket.gethostname()) or host.startswith("127."):
+        return True
+    try:
+        mine = {str(a[4][0]) for a in socket.getaddrinfo(socket.gethostname(), None)}
+        return socket.gethostbyname(host) in mine
+    except OSError:
+        return False
+
+
+def _release_ipc() -> None:
+    """Free CUDA blocks whose IPC mappings the servers closed (torch keeps them until then)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.ipc_collect()
+
+
 class DiskWeightSender:
     """Write each version as a model folder under ``directory``; servers load it from there.
 
@@ -353,5 +436,5 @@ class DiskWeightSender:
         return None
 
 
-__all__ = ["DiskWeightSender", "DistributedWeightSender", "TransferStats", "bucketize",
-           "free_port"]
+__all__ = ["DiskWeightSender", "DistributedWeightSender", "IpcWeightSender", "TransferStats",
+           "bucketize", "free_port", "on_this_host"]

@@ -139,7 +139,7 @@ def test_help_config_lists_every_weight_sync_field_with_the_kinds_that_read_it()
 
     lines = [line for line in describe_fields(TrainConfig) if "engine.weight_sync" in line]
     assert lines[0].startswith("--engine.weight_sync.kind (one of 'auto', 'in_process', "
-                               "'distributed', 'disk', 'tensor' = 'auto')")
+                               "'distributed', 'disk', 'tensor', 'ipc' = 'auto')")
     assert any(line.startswith("--engine.weight_sync.dir (str = '{out}/engine-weights') "
                                "[kind auto / disk]") for line in lines)
     assert any(line.startswith("--engine.weight_sync.dtype (") and "[kind" not in line

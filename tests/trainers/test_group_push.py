@@ -123,6 +123,7 @@ async def _greedy_of(model: Path, weights: dict[str, torch.Tensor]):
 async def test_rank_zero_pushes_to_servers_without_the_driver(model, server, ray_local,
                                                              tmp_path):
     from palaestra.trainers.group.group import TrainerGroup
+    from palaestra.trainers.group.push import EnginePushSpec
     from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
 
     cfg = TorchBackendConfig(device="cpu", dtype="float32", lr=1e-2, pack_sequences=False)
@@ -134,7 +135,7 @@ async def test_rank_zero_pushes_to_servers_without_the_driver(model, server, ray
         rank0_pid = group.ranks[0]["pid"]
         assert rank0_pid != os.getpid()
         before = one.state_dict_for_engines()
-        for version, kind in enumerate(("distributed", "disk", "tensor"), start=1):
+        for version, kind in enumerate(("distributed", "disk", "tensor", "ipc"), start=1):
             b = batch(version, vocab)
             got, want = group.train_step(b, loss), one.train_step(b, loss)
             assert abs(got["loss"] - want["loss"]) < 1e-5
@@ -170,6 +171,7 @@ async def test_rank_zero_pushes_to_servers_without_the_driver(model, server, ray
             await sync.close()
             await engine.close()
         await _check_server(server, one.state_dict_for_engines(), 7)
+        assert EnginePushSpec(method="ipc", urls=(server,), bucket_bytes=1).device() == "cpu"
         # the embedded engine lives in the driver: that path still brings the weights here
         group.state_dict_for_engines()
         assert group.weight_relays == 1

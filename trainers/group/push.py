@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from palaestra.rollout.engines.weight_transfer import Bucket, TransferStats
 
-REMOTE_METHODS = ("distributed", "disk", "tensor")
+REMOTE_METHODS = ("distributed", "disk", "tensor", "ipc")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -67,7 +67,12 @@ class EnginePushSpec:
         return getattr(torch, self.dtype) if self.dtype else None
 
     def device(self) -> str:
-        """Where the gathered tensors go before sending: CUDA for NCCL, else host memory."""
+        """Where the gathered tensors go before sending: CUDA for NCCL and for IPC handles
+        (a colocated server maps them on the same GPU), else host memory."""
+        if self.method == "ipc":  # CPU ranks: shared-memory handles of host tensors
+            import torch
+
+            return "cuda" if torch.cuda.is_available() else "cpu"
         return "cuda" if self.method == "distributed" and self.backend == "nccl" else "cpu"
 
 
@@ -120,6 +125,7 @@ class RankPusher:
         from palaestra.rollout.engines.weight_transfer import (
             DiskWeightSender,
             DistributedWeightSender,
+            IpcWeightSender,
         )
 
         tp = spec.tp_sizes or (1,) * len(spec.urls)
@@ -133,6 +139,8 @@ class RankPusher:
             assert spec.directory is not None  # checked by the spec
             self._sender = DiskWeightSender(self._clients, spec.directory,
                                             model_dir=spec.model_dir, keep_last=2)
+        elif spec.method == "ipc":
+            self._sender = IpcWeightSender(self._clients, timeout_s=spec.timeout_s)
         else:
             self._sender = None
 
