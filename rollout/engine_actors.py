@@ -9,7 +9,11 @@ the engine's HTTP server as its child process on the node of that bundle: ``pala
 when it shares its GPUs with the trainer), and returns the server's URL once ``/health``
 answers. The run then treats those URLs as it treats ``engine.urls`` servers (`ActorEngine` is
 an `SGLangEngine` over them): the router, `EngineSync` and the elastic admin endpoint see
-servers. The child dies with its actor (``PR_SET_PDEATHSIG``), so a killed actor is a lost
+servers. A colocated plan with a trainer group (`RunPlan.shares_bundles`) starts
+with ``shared=True``: one placement group of all the plan's bundles, engine i on the bundles of
+trainer rank i (a fraction of each GPU, `RunPlan.engine_gpu_fraction`), kept in
+`EngineGroup.placement_group` for `palaestra.trainers.group.group.TrainerGroup` to start its
+ranks in. The child dies with its actor (``PR_SET_PDEATHSIG``), so a killed actor is a lost
 server; `EngineGroup.close` stops the servers and kills the actors (also when the run fails).
 
 `EngineGroup.add(gpus)` starts one more engine on ``gpus`` GPUs (0: a CPU engine) in a
@@ -216,6 +220,7 @@ class EngineGroup:
         self._next = 0
         self._started_ray = False
         self._closed = False
+        self.placement_group: Any = None  # shared with the trainer group (a colocated plan)
 
     @property
     def urls(self) -> list[str]:
@@ -225,16 +230,24 @@ class EngineGroup:
         return next((m for m in self.members if m.url == url), None)
 
     # ------------------------------------------------------------------------ start
-    async def start(self, plan: RunPlan, *, extra_cpus: float = 0.0) -> list[str]:
+    async def start(self, plan: RunPlan, *, extra_cpus: float = 0.0,
+                    shared: bool = False) -> list[str]:
         """Reserve the plan's engine bundles (a placement group per engine, its bundles on one
         node), start one actor per engine; their URLs. ``extra_cpus``: what else of the run
-        needs logical CPUs (when the Ray cluster is started here)."""
+        needs logical CPUs (when the Ray cluster is started here). ``shared`` (a colocated plan,
+        `RunPlan.shares_bundles`): one placement group of all the plan's bundles instead, kept
+        in `placement_group` for the trainer group, engine i on its bundles in it (each actor
+        asks `RunPlan.engine_gpu_fraction` of its GPU and `RunPlan.engine_cpus`)."""
         import ray
 
         if not plan.engine_bundles:
             raise ConfigError("the placement plan has no engine bundles (placement.engine_gpus "
                               "on GPU nodes, placement.engines on CPU nodes)")
-        used = sorted({b for span in plan.engine_bundles for b in span})
+        if shared and not plan.shares_bundles:
+            raise ConfigError("a shared placement group needs a colocated plan whose engines sit "
+                              "on the trainer ranks' bundles (placement.colocate = true)")
+        used = (range(len(plan.bundles)) if shared
+                else sorted({b for span in plan.engine_bundles for b in span}))
         need = {key: sum(plan.bundles[b].get(key, 0) for b in used) for key in ("GPU", "CPU")}
         self._started_ray = ensure_ray(self.address, need["CPU"] + extra_cpus + 1)
         try:
@@ -247,14 +260,31 @@ class EngineGroup:
                         f"the Ray cluster has {have.get(key, 0):g}; lower "
                         "placement.engine_gpus/engines or add nodes")
             gpus = [len(span) if plan.on_gpu else 0 for span in plan.engine_bundles]
-            await asyncio.gather(*(self._start_one(
-                [dict(plan.bundles[b]) for b in span], plan.engine_gpu_fraction, n)
-                for span, n in zip(plan.engine_bundles, gpus, strict=True)))
+            if shared:
+                await self._start_shared(plan, gpus)
+            else:
+                await asyncio.gather(*(self._start_one(
+                    [dict(plan.bundles[b]) for b in span], plan.engine_gpu_fraction, n,
+                    num_cpus=plan.engine_cpus)
+                    for span, n in zip(plan.engine_bundles, gpus, strict=True)))
         except BaseException:
             await self.close()
             raise
         self.members.sort(key=lambda m: m.index)  # plan order, whichever answered first
         return self.urls
+
+    async def _start_shared(self, plan: RunPlan, gpus: list[int]) -> None:
+        """One placement group of the whole plan (the trainer group joins it later)."""
+        from ray.util.placement_group import placement_group
+
+        self.placement_group = placement_group([dict(b) for b in plan.bundles],
+                                               strategy=plan.strategy)
+        await self._ready(self.placement_group, f"the run's {len(plan.bundles)} bundles "
+                          f"{plan.bundles[0]} ({plan.strategy})")
+        await asyncio.gather(*(self._launch(
+            list(span), self.placement_group, plan.bundles[span[0]], plan.engine_gpu_fraction,
+            n, num_cpus=plan.engine_cpus)
+            for span, n in zip(plan.engine_bundles, gpus, strict=True)))
 
     async def add(self, gpus: int) -> EngineMember:
         """One more engine on ``gpus`` GPUs (0: CPU) in a placement group of its own."""
@@ -282,7 +312,8 @@ class EngineGroup:
         return await self._start_one(bundles, 1.0 if gpus else 0.0, gpus, launch)
 
     async def _start_one(self, bundles: list[dict[str, float]], fraction: float, gpus: int,
-                         launch: EngineLaunch | None = None) -> EngineMember:
+                         launch: EngineLaunch | None = None, num_cpus: float | None = None
+                         ) -> EngineMember:
         """A placement group of one engine's bundles (one node: STRICT_PACK) and its actor."""
         from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -290,7 +321,7 @@ class EngineGroup:
         try:
             await self._ready(group, f"an engine on {len(bundles)} bundle(s) {bundles[0]}")
             member = await self._launch(list(range(len(bundles))), group, bundles[0], fraction,
-                                        gpus, launch=launch)
+                                        gpus, launch=launch, num_cpus=num_cpus)
         except BaseException:
             remove_placement_group(group)
             raise
@@ -303,14 +334,15 @@ class EngineGroup:
         except asyncio.TimeoutError:
             from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(group)
+            if group is not self.placement_group:  # close() removes the shared one
+                remove_placement_group(group)
             raise ConfigError(f"Ray could not place {what} within {self.ready_timeout_s:.0f} s "
                               "(not enough free CPUs/GPUs on one node); `ray status` shows what "
                               "is free") from None
 
     async def _launch(self, indices: list[int], group: Any, bundle: dict[str, float],
-                      fraction: float, gpus: int, launch: EngineLaunch | None = None
-                      ) -> EngineMember:
+                      fraction: float, gpus: int, launch: EngineLaunch | None = None,
+                      num_cpus: float | None = None) -> EngineMember:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -327,8 +359,10 @@ class EngineGroup:
                 runtime_env={"env_vars": {_NOSET_CUDA: "1"}})
             gpu_ids = [g for ids in await asyncio.gather(*(
                 probe.options(scheduling_strategy=on(i)).remote() for i in indices)) for g in ids]
+        if num_cpus is None:
+            num_cpus = min(bundle.get("CPU", 1.0), 1.0) if not gpus else 0.5
         actor_cls: Any = ray.remote(EngineActor).options(
-            num_cpus=min(bundle.get("CPU", 1.0), 1.0) if not gpus else 0.5,
+            num_cpus=num_cpus,
             num_gpus=fraction if gpus else 0, scheduling_strategy=on(indices[0]),
             max_restarts=0, name=None)
         actor = actor_cls.remote(launch, index, gpu_ids, gpus)
@@ -400,6 +434,12 @@ class EngineGroup:
 
         members, self.members = self.members, []
         await asyncio.gather(*(self._stop(m, 5.0) for m in members))
+        if self.placement_group is not None and ray.is_initialized():
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(self.placement_group)
+            self.placement_group = None
         if self._started_ray and ray.is_initialized():
             ray.shutdown()
 

@@ -12,7 +12,8 @@ trainer ranks, engine GPUs and tensor parallelism, colocation, where a critic an
 `plan_run` turns it into a `RunPlan` (bundles per node, trainer ranks, engines) or lists every
 reason the layout is impossible. On CPU nodes (``gpus_per_node = 0``, or a trainer on
 ``device = "cpu"``) the trainer ranks get CPU bundles, and ``engines = N`` adds N CPU bundles
-for embedded engines (``palaestra serve``) as Ray actors; without it the engines stay as
+for embedded engines (``palaestra serve``) as Ray actors (colocated: engine i shares rank i's
+bundle instead, as on GPUs, `RunPlan.shares_bundles`); without it the engines stay as
 ``[engine]`` says (embedded in the driver, or servers at ``engine.urls``). The engine bundles
 of a plan are where `palaestra.rollout.engine_actors` starts its engine actors.
 """
@@ -204,10 +205,20 @@ class RunPlan:
     layout: dict[str, int]  # fsdp=N (torch) or tp/pp/dp/ep (megatron)
     trainer_gpu_fraction: float
     strategy: str = "PACK"
+    trainer_cpus: float = 1.0  # CPUs a trainer rank's actor asks of its bundle
+    engine_cpus: float = 0.5  # CPUs an engine actor asks of its first bundle
 
     @property
     def num_gpus(self) -> int:
         return int(sum(b.get("GPU", 0) for b in self.bundles))
+
+    @property
+    def shares_bundles(self) -> bool:
+        """Colocated engines on the trainer ranks' own bundles: engine i's first bundle is a
+        trainer rank's, so the trainer group and the engines need one placement group."""
+        ranks = set(self.trainer_bundles)
+        return self.colocate and bool(self.engine_bundles) and all(
+            span[0] in ranks for span in self.engine_bundles)
 
     @property
     def engine_gpu_fraction(self) -> float:
@@ -256,6 +267,10 @@ def plan_problems(section: PlacementSection, *, on_gpu: bool, model_parallel: in
         out.append(f"the data-parallel size ({ranks // model_parallel}) must be a multiple of "
                    f"trainer.megatron.ep ({expert_parallel})")
     if not on_gpu:
+        if s.colocate and s.engines not in (0, ranks):
+            out.append(f"colocated CPU engines share the trainer ranks' bundles (engine i on rank "
+                       f"i's): placement.engines ({s.engines}) must equal trainer_ranks "
+                       f"({ranks}), or set colocate = false")
         if s.engine_gpus:
             out.append(f"placement.engine_gpus = {s.engine_gpus} on CPU nodes (gpus_per_node = 0 "
                        "or trainer device cpu): engines on CPU are placement.engines = N "
@@ -320,14 +335,23 @@ def plan_run(section: PlacementSection, *, on_gpu: bool, model_parallel: int = 1
     else:
         layout = {"fsdp": s.trainer_ranks}
     ranks = s.trainer_ranks
+    if not on_gpu and s.colocate and s.engines:  # engine i shares trainer rank i's bundle
+        bundles = tuple({"CPU": s.cpus_per_rank + s.cpus_per_engine} for _ in range(ranks))
+        return RunPlan(bundles, (None,) * ranks, tuple(range(ranks)), (), (),
+                       tuple((e,) for e in range(ranks)), False, True, layout, 0.0, s.strategy,
+                       s.cpus_per_rank, s.cpus_per_engine)
     if not on_gpu:  # trainer ranks, then the CPU engines (one bundle each)
         bundles = tuple([{"CPU": s.cpus_per_rank} for _ in range(ranks)]
                         + [{"CPU": s.cpus_per_engine} for _ in range(s.engines)])
         engines_cpu = tuple((ranks + e,) for e in range(s.engines))
         return RunPlan(bundles, (None,) * len(bundles), tuple(range(ranks)), (), (),
-                       engines_cpu, False, s.colocate, layout, 0.0, s.strategy)
+                       engines_cpu, False, s.colocate, layout, 0.0, s.strategy,
+                       s.cpus_per_rank, min(s.cpus_per_engine, 1.0))
     need = _gpus_needed(s)
-    bundles = tuple({"GPU": 1.0, "CPU": s.cpus_per_rank} for _ in range(need))
+    engine_cpus = 0.5  # a GPU engine's actor (its server's CPUs are the node's)
+    # colocated: a trainer rank's bundle also holds the engine actor beside it
+    cpus = s.cpus_per_rank + (engine_cpus if s.colocate else 0.0)
+    bundles = tuple({"GPU": 1.0, "CPU": cpus} for _ in range(need))
     nodes = tuple(g // s.gpus_per_node for g in range(need))
     trainer = tuple(range(ranks))
     critic = tuple(range(ranks, ranks + s.critic_ranks))
@@ -339,7 +363,7 @@ def plan_run(section: PlacementSection, *, on_gpu: bool, model_parallel: int = 1
                     for e in range(engine_gpus // s.engine_tp))
     share = 0.5 if s.colocate else 1.0
     return RunPlan(bundles, nodes, trainer, critic, reference, engines, True, s.colocate, layout,
-                   share, s.strategy)
+                   share, s.strategy, s.cpus_per_rank, engine_cpus)
 
 
 __all__ = [

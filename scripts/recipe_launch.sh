@@ -1,52 +1,65 @@
-# Shared launcher of the GPU recipes (sourced by scripts/run_*.sh after they set their defaults,
-# CONFIG, recipe_args and recipe_services). Not meant to be run on its own.
+# Shared launcher of the GPU recipes (sourced by scripts/run_*.sh after they set CONFIG,
+# recipe_args and recipe_services). Not meant to be run on its own.
+#
+# The layout of a run is its config's [placement] section: `palaestra train` starts the trainer
+# group (one Ray actor per trainer rank) and the engines (one Ray actor per SGLang server) on
+# the plan's bundles. This script only starts Ray (or joins RAY_ADDRESS), the recipe's services
+# (a retriever, ...) and `palaestra train CONFIG`; change the layout with dotted overrides
+# (`--placement.trainer_ranks 8 --placement.nodes 2`), never with environment variables.
 
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
-export PALAESTRA_GPUS="${PALAESTRA_GPUS:-$DEFAULT_GPUS}"
-export PALAESTRA_COLOCATE="${PALAESTRA_COLOCATE:-$DEFAULT_COLOCATE}"
-export PALAESTRA_ENGINE_TP="${PALAESTRA_ENGINE_TP:-$DEFAULT_ENGINE_TP}"
-export PALAESTRA_TRAINER_GPUS="${PALAESTRA_TRAINER_GPUS:-$DEFAULT_TRAINER_GPUS}"
-if [[ "$PALAESTRA_COLOCATE" == 1 ]]; then
-  export PALAESTRA_ENGINE_GPUS="${PALAESTRA_ENGINE_GPUS:-$PALAESTRA_TRAINER_GPUS}"
-else
-  export PALAESTRA_ENGINE_GPUS="${PALAESTRA_ENGINE_GPUS:-$((PALAESTRA_GPUS - PALAESTRA_TRAINER_GPUS))}"
-fi
-SGLANG_HOST="${SGLANG_HOST:-127.0.0.1}"
-SGLANG_PORT="${SGLANG_PORT:-30000}"
 
 dry_run=0
 for arg in "$@"; do [[ "$arg" == --dry-run ]] && dry_run=1; done
 
-if (( PALAESTRA_ENGINE_GPUS < 1 || PALAESTRA_ENGINE_GPUS % PALAESTRA_ENGINE_TP )); then
-  echo "$0: PALAESTRA_ENGINE_GPUS ($PALAESTRA_ENGINE_GPUS) must be a positive multiple of" \
-       "PALAESTRA_ENGINE_TP ($PALAESTRA_ENGINE_TP)" >&2
-  exit 2
-fi
-num_engines=$((PALAESTRA_ENGINE_GPUS / PALAESTRA_ENGINE_TP))
-urls=""
-for ((i = 0; i < num_engines; i++)); do
-  urls+="${urls:+, }\"http://$SGLANG_HOST:$((SGLANG_PORT + i))\""
-done
-
-args=(--engine.urls "[$urls]")
+args=()
 [[ -n "${MODEL:-}" ]] && args+=(--model.path "$MODEL")
 [[ -n "${OUT:-}" ]] && args+=(--out "$OUT")
-case "${PALAESTRA_BACKEND:-torch}" in
+case "${PALAESTRA_BACKEND:-torch}" in  # a shorthand of --trainer.backend
   torch) ;;
   megatron) args+=(--trainer.backend megatron) ;;
   *) echo "$0: PALAESTRA_BACKEND must be torch or megatron (got $PALAESTRA_BACKEND)" >&2; exit 2 ;;
 esac
-recipe_args  # per-recipe extra overrides (defined above)
+
+# the layout variables of earlier versions: still honoured once, as the override they stand for
+deprecated() {  # deprecated VAR FLAG [VALUE]
+  local var="$1" flag="$2" value="${3:-${!1}}"
+  echo "$0: $var is deprecated: the layout is the config's [placement] section; passing" \
+       "$flag $value (use that flag instead)" >&2
+  args+=("$flag" "$value")
+  unset "$var"
+}
+[[ -n "${PALAESTRA_GPUS:-}" ]] && deprecated PALAESTRA_GPUS --placement.gpus_per_node
+[[ -n "${PALAESTRA_GPUS_PER_NODE:-}" ]] && deprecated PALAESTRA_GPUS_PER_NODE --placement.gpus_per_node
+[[ -n "${PALAESTRA_TRAINER_GPUS:-}" ]] && deprecated PALAESTRA_TRAINER_GPUS --placement.trainer_ranks
+[[ -n "${PALAESTRA_ENGINE_GPUS:-}" ]] && deprecated PALAESTRA_ENGINE_GPUS --placement.engine_gpus
+[[ -n "${PALAESTRA_ENGINE_TP:-}" ]] && deprecated PALAESTRA_ENGINE_TP --placement.engine_tp
+if [[ -n "${PALAESTRA_COLOCATE:-}" ]]; then
+  case "$PALAESTRA_COLOCATE" in
+    1|true|yes) deprecated PALAESTRA_COLOCATE --placement.colocate true ;;
+    *) deprecated PALAESTRA_COLOCATE --placement.colocate false ;;
+  esac
+fi
+[[ -n "${PALAESTRA_MODEL_SHAPE:-}" ]] && deprecated PALAESTRA_MODEL_SHAPE --placement.model_shape
+[[ -n "${PALAESTRA_GPU_MEMORY_GIB:-}" ]] && deprecated PALAESTRA_GPU_MEMORY_GIB --placement.gpu_memory_gib
+for var in SGLANG_HOST SGLANG_PORT SGLANG_MEM_FRACTION SGLANG_ARGS; do
+  if [[ -n "${!var:-}" ]]; then
+    echo "$0: $var is no longer read: the engines are Ray actors of [placement] that pick" \
+         "their own ports; pass server flags as --engine.launch_args '[\"--flag\", \"value\"]'" >&2
+    exit 2
+  fi
+done
+recipe_args  # per-recipe extra overrides (defined by the run_*.sh script)
 
 if (( dry_run )); then
   # validate the config and print the placement + memory plan; start nothing
   exec palaestra train "$CONFIG" "${args[@]}" "$@"
 fi
 
-# ---- from here on a GPU node: Ray, SGLang servers, then the trainer ----
+# ---- from here on a GPU node: Ray, the recipe's services, then the run ----
 pids=()
 started_ray=0
 cleanup() {
@@ -63,36 +76,13 @@ wait_http() {  # wait_http URL SECONDS NAME
   done
 }
 
-if [[ -z "${RAY_ADDRESS:-}" ]]; then
-  ray start --head --num-gpus "$PALAESTRA_GPUS" --port "${RAY_PORT:-6379}" --disable-usage-stats
+if [[ -z "${RAY_ADDRESS:-}" ]]; then  # a one-node cluster of this machine's GPUs
+  ray start --head --port "${RAY_PORT:-6379}" --disable-usage-stats ${RAY_START_ARGS:-}
   started_ray=1
   export RAY_ADDRESS="127.0.0.1:${RAY_PORT:-6379}"
 fi
 args+=(--rollout.ray_address "$RAY_ADDRESS")
 
-model_path="${MODEL:-$("$PYTHON" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["model"]["path"])' "$CONFIG")}"
-recipe_services  # per-recipe services (retriever, ...) (defined above)
-
-first_engine_gpu=$PALAESTRA_TRAINER_GPUS
-mem_fraction="${SGLANG_MEM_FRACTION:-0.85}"
-extra_sglang=()
-if [[ "$PALAESTRA_COLOCATE" == 1 ]]; then
-  # shared GPUs: the engine releases its memory while the trainer steps (memory saver)
-  first_engine_gpu=0
-  mem_fraction="${SGLANG_MEM_FRACTION:-0.45}"
-  extra_sglang+=(--enable-memory-saver)
-fi
-for ((i = 0; i < num_engines; i++)); do
-  first=$((first_engine_gpu + i * PALAESTRA_ENGINE_TP))
-  gpus=$(seq -s, "$first" $((first + PALAESTRA_ENGINE_TP - 1)))
-  CUDA_VISIBLE_DEVICES="$gpus" "$PYTHON" -m sglang.launch_server \
-    --model-path "$model_path" --host "$SGLANG_HOST" --port $((SGLANG_PORT + i)) \
-    --tp-size "$PALAESTRA_ENGINE_TP" --mem-fraction-static "$mem_fraction" \
-    "${extra_sglang[@]}" ${SGLANG_ARGS:-} > "${LOG_DIR:-/tmp}/sglang_$i.log" 2>&1 &
-  pids+=($!)
-done
-for ((i = 0; i < num_engines; i++)); do
-  wait_http "http://$SGLANG_HOST:$((SGLANG_PORT + i))/health" 900 "SGLang server $i"
-done
+recipe_services  # per-recipe services (retriever, ...) (defined by the run_*.sh script)
 
 palaestra train "$CONFIG" "${args[@]}" "$@"

@@ -1,35 +1,25 @@
 #!/usr/bin/env bash
 # Code recipe: Qwen2.5-7B-Instruct, GRPO on palaestra/Code-v0 (MBPP train split, sandboxed tests).
-# GPUs: 8 (one node): 4 train, 2 SGLang engines x TP 2, disaggregated, async rollout.
+# Layout: configs/code_grpo.toml's [placement]: one node of 8 GPUs, 4 trainer ranks and
+# 2 SGLang engines x TP 2 as Ray actors, disaggregated, async rollout.
 # Needs the sandbox on the node (bubblewrap; scripts/setup.sh).
 # Command:
 #   MODEL=/models/Qwen2.5-7B-Instruct bash scripts/run_code_grpo.sh
-#   PALAESTRA_BACKEND=megatron bash scripts/run_code_grpo.sh    # Megatron trainer
-#   bash scripts/run_code_grpo.sh --dry-run                     # plan only, CPU is enough
+#   bash scripts/run_code_grpo.sh --trainer.backend megatron          # Megatron trainer
+#   bash scripts/run_code_grpo.sh --placement.nodes 2 --placement.trainer_ranks 8 \
+#     --placement.engine_gpus 8                                       # two nodes (RAY_ADDRESS)
+#   bash scripts/run_code_grpo.sh --dry-run                           # plan only, CPU is enough
 #
-# Environment (defaults in brackets; the same variables drive the --dry-run placement table):
-#   PALAESTRA_GPUS          GPUs of this run                         [8]
-#   PALAESTRA_TRAINER_GPUS  GPUs of the trainer                      [4]
-#   PALAESTRA_ENGINE_GPUS   GPUs of the SGLang engines               [4]
-#   PALAESTRA_ENGINE_TP     tensor parallelism of one engine         [2]
-#   PALAESTRA_COLOCATE      1: trainer and engines share the GPUs    [0]
-#   PALAESTRA_BACKEND       torch | megatron (adds --trainer.backend megatron; the TOML keeps
-#                           "torch" so it validates on machines without megatron-core) [torch]
-#   PALAESTRA_MODEL_SHAPE   named shape for the estimate when the checkpoint is absent
-#   PALAESTRA_GPU_MEMORY_GIB memory of one GPU for the estimate (GiB) [139, an H200]
-#   MODEL                   checkpoint path (overrides model.path; SGLang serves it too)
-#   OUT                     run directory (overrides out)
-#   RAY_ADDRESS             join this Ray cluster instead of `ray start --head` (docs/scale_out.md)
-#   SGLANG_HOST/SGLANG_PORT first engine address [127.0.0.1:30000]; engine i listens on PORT+i
-#   SGLANG_MEM_FRACTION, SGLANG_ARGS, LOG_DIR (server logs, /tmp), PYTHON (python3)
-# Further arguments go to `palaestra train` (e.g. --trainer.steps 5 --rollout.mode sync).
+# Environment (defaults in brackets):
+#   MODEL             checkpoint path (overrides model.path; the engines serve it too)
+#   OUT               run directory (overrides out)
+#   PALAESTRA_BACKEND torch | megatron: a shorthand of --trainer.backend [torch]
+#   RAY_ADDRESS       join this Ray cluster instead of `ray start --head` (docs/scale_out.md)
+#   RAY_PORT [6379], RAY_START_ARGS (extra `ray start --head` flags), PYTHON [python3]
+# Further arguments go to `palaestra train` (e.g. --trainer.steps 5 --placement.trainer_ranks 2).
 # --dry-run validates the config and prints the placement and per-GPU memory plan, then exits
-# before Ray or SGLang start (runs on a CPU machine).
+# before Ray starts (runs on a CPU machine).
 
-DEFAULT_GPUS=8
-DEFAULT_TRAINER_GPUS=4
-DEFAULT_ENGINE_TP=2
-DEFAULT_COLOCATE=0
 CONFIG="${CONFIG:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/configs/code_grpo.toml}"
 recipe_args() { :; }
 recipe_services() { :; }

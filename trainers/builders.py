@@ -102,16 +102,18 @@ def backend_config(torch_cfg: TorchBackendConfig, *, temperature: float, seed: i
 
 def build_backend(trainer: TrainerSection, policy_path: Path, *, temperature: float, seed: int,
                   group: RunPlan | None = None, ray_address: str | None = None,
-                  ) -> TrainerBackend[TrainBatch, LossConfig]:
+                  placement_group: Any = None) -> TrainerBackend[TrainBatch, LossConfig]:
     """The RL training backend: the PyTorch one, Megatron-core on CUDA machines, or (``group``:
-    the plan of ``[placement]`` with several trainer ranks) PyTorch ranks as Ray actors."""
+    the plan of ``[placement]`` with several trainer ranks) PyTorch ranks as Ray actors
+    (``placement_group``: in the one the colocated engine actors reserved for both)."""
     if trainer.backend == "megatron":
         if group is not None:  # Megatron ranks as Ray actors (tp/ep from trainer.megatron)
             from palaestra.trainers.group.group import TrainerGroup
 
             return TrainerGroup(policy_path, megatron_config(
                 trainer.megatron, seed=seed, steps=trainer.steps,
-                logits_temperature=temperature), group, address=ray_address).start()
+                logits_temperature=temperature), group, address=ray_address,
+                placement_group=placement_group).start()
         return megatron_backend(trainer.megatron, policy_path, seed=seed, steps=trainer.steps,
                                 logits_temperature=temperature)
     torch_cfg = backend_config(trainer.torch, temperature=temperature, seed=seed,
@@ -119,7 +121,8 @@ def build_backend(trainer: TrainerSection, policy_path: Path, *, temperature: fl
     if group is not None:  # [placement] trainer_ranks: Ray actors on a placement group
         from palaestra.trainers.group.group import TrainerGroup
 
-        return TrainerGroup(policy_path, torch_cfg, group, address=ray_address).start()
+        return TrainerGroup(policy_path, torch_cfg, group, address=ray_address,
+                            placement_group=placement_group).start()
     from palaestra.trainers.torch_backend import TorchBackend
 
     return TorchBackend(policy_path, torch_cfg)

@@ -299,8 +299,10 @@ def _sync_line(cfg: TrainConfig) -> str:
     if method == "auto":
         from palaestra.trainers.run_engines import engine_actor_count
 
-        method = "in_process" if e.kind == "local" and not engine_actor_count(cfg) else \
-            "distributed if CUDA is here, else disk"
+        colocated = cfg.placement is not None and cfg.placement.colocate
+        method = "in_process" if e.kind == "local" and not engine_actor_count(cfg) else (
+            "ipc (CUDA IPC handles, each trainer rank to the engine on its GPU) if CUDA is "
+            "here, else disk" if colocated else "distributed if CUDA is here, else disk")
     d = e.sync_settings("distributed") if method.startswith("distributed") else sync
     if e.kind == "sglang" and isinstance(d, DistributedSync):
         method += (f" ({d.backend}, rendezvous {d.master_address}:"

@@ -202,8 +202,8 @@ class EngineSync:
         elif isinstance(s, DiskWeightSender):
             kw = {"directory": str(s.directory),
                   "model_dir": None if s.model_dir is None else str(s.model_dir)}
-        elif isinstance(s, IpcWeightSender):  # rank 0 must share the servers' host and GPU
-            kw = {"timeout_s": s.timeout_s,
+        elif isinstance(s, IpcWeightSender):  # a sender must share its server's host and GPU
+            kw = {"timeout_s": s.timeout_s, "rank_urls": _neighbour_urls(self.engine),
                   "tp_sizes": tuple(int(getattr(c, "tp_size", 1)) for c in clients)}
         else:
             kw = {"tp_sizes": tuple(int(getattr(c, "tp_size", 1)) for c in clients)}
@@ -360,6 +360,17 @@ class BackendWeights:
 
     async def push(self, version: int) -> None:
         await self.sync.push_now(self.backend, version)
+
+
+def _neighbour_urls(engine: Any) -> tuple[str, ...]:
+    """The server beside each trainer rank, by rank, when the run's engine actors share the
+    trainer group's bundles (engine i on rank i's GPU, one GPU each); else ()."""
+    group = getattr(engine, "actor_group", None)
+    if group is None or getattr(group, "placement_group", None) is None:
+        return ()
+    shared = sorted((m for m in group.members if m.placement_group is None and m.gpus <= 1),
+                    key=lambda m: m.index)
+    return tuple(m.url for m in shared)
 
 
 __all__ = ["BackendWeights", "EngineSync", "resolve_method"]

@@ -220,11 +220,13 @@ class RLRun:
         """The backend, the critic, the tasks, the engines as workers see them, the manager."""
         from palaestra.rollout import DataSource, EngineSpec, RolloutManager, WorkerConfig
         from palaestra.rollout.engines.sglang import SGLangEngine
+        from palaestra.trainers.run_engines import trainer_placement_group
 
         r = cfg.rollout
         backend = build_backend(cfg.trainer, policy_path, temperature=r.temperature,
                                 seed=cfg.seed, group=_trainer_group(cfg),
-                                ray_address=r.ray_address)
+                                ray_address=r.ray_address,
+                                placement_group=trainer_placement_group(engine))
         critic = _build_critic(cfg, policy_path)  # PPO's value model (GAE advantages), else None
         data = DataSource(_train_rows(cfg), env_id=cfg.env.id, shuffle=cfg.data.shuffle,
                           seed=cfg.data.seed, epochs=cfg.data.epochs)
@@ -679,7 +681,9 @@ async def _train(cfg: TrainConfig, run: RunDir) -> dict[str, Any]:
 
             if isinstance(engine, SGLangEngine):  # engine.kind = "sglang": attach / launch
                 await engine.start()
-            sync = EngineSync.from_config(engine_cfg, engine, model_path, out=cfg.out)
+            sync = EngineSync.from_config(engine_cfg, engine, model_path, out=cfg.out,
+                                          colocate=cfg.placement is not None
+                                          and cfg.placement.colocate)
             # LoRA with SGLang servers: adapters over /load_lora_adapter when this process's
             # engine makes the requests (Ray workers' clients get the merged weights)
             sync.lora_servers = cfg.rollout.cluster == "local"

@@ -8,7 +8,9 @@ engines are the run's then, and the plan only estimates). `start_engine_actors` 
 (`palaestra.rollout.engine_actors.EngineGroup`) and returns an `ActorEngine` over their URLs with
 the ``[engine]`` section the run then uses for them (`served_section`: servers, so the weights go
 by ``engine.weight_sync`` to servers, not in process). `engine_actor_problems` are the load-time
-checks. Torch-free and Ray-free at import.
+checks. Colocated engine actors beside a trainer group (`shares_trainer_bundles`) reserve one
+placement group for both, which `trainer_placement_group` hands to the trainer group. Torch-free
+and Ray-free at import.
 """
 
 from __future__ import annotations
@@ -66,13 +68,21 @@ def engine_actor_problems(cfg: TrainConfig) -> list[Problem]:
             "engine actors are servers in their own processes: the weights cannot go in process; "
             "set engine.weight_sync.kind = 'auto' (distributed on GPUs, disk on CPU), "
             "'distributed', 'disk' or 'tensor'")))
-    if p.colocate and p.trainer_ranks > 1 and p.engine_gpus:  # GPUs reserved twice
-        out.append(Problem(("placement.colocate", "placement.trainer_ranks", "placement.engine_gpus"), (
-            f"colocated engine actors with {p.trainer_ranks} trainer ranks would reserve the "
-            "trainer group's GPUs a second time (the trainer group does not share its placement "
-            "group yet); use colocate = false, trainer_ranks = 1, or engine_gpus = 0 (the "
-            "engines of [engine])")))
     return out
+
+
+def shares_trainer_bundles(cfg: TrainConfig, plan: RunPlan) -> bool:
+    """Whether the engine actors and the trainer group share one placement group: colocated
+    engine actors beside a trainer group (engine i on trainer rank i's bundles)."""
+    return (engine_actor_count(cfg) > 0 and cfg.placement is not None
+            and cfg.placement.trainer_ranks > 1 and plan.shares_bundles)
+
+
+def trainer_placement_group(engine: object) -> object | None:
+    """The placement group a trainer group starts its ranks in: the one the run's engine
+    actors reserved for both (a colocated plan), else None (the group reserves its own)."""
+    group = getattr(engine, "actor_group", None)
+    return getattr(group, "placement_group", None)
 
 
 def engine_actor_lines(cfg: TrainConfig, plan: RunPlan) -> list[str]:
@@ -89,6 +99,10 @@ def engine_actor_lines(cfg: TrainConfig, plan: RunPlan) -> list[str]:
     lines = [(f"engines: {count} Ray actor(s), each serving {server} on its {where} "
               "bundle(s); the run routes over their URLs (weights by engine.weight_sync to "
               "servers)")]
+    if shares_trainer_bundles(cfg, plan):
+        lines.append(f"  one placement group for the trainer group and the engines: each "
+                     f"engine actor asks {plan.engine_gpu_fraction:g} GPU and "
+                     f"{plan.engine_cpus:g} CPU of its trainer rank's bundle")
     for e, span in enumerate(plan.engine_bundles):
         extra = ""
         if cfg.engine.kind == "sglang":
@@ -135,9 +149,10 @@ async def start_engine_actors(cfg: TrainConfig, model_path: Path
     group = EngineGroup(launch, address=r.ray_address)
     workers = r.num_workers * r.worker_num_cpus if r.cluster == "ray" else 0.0
     trainer = p.trainer_ranks * p.cpus_per_rank if p.trainer_ranks > 1 else 0.0
-    await group.start(plan, extra_cpus=workers + trainer)
+    await group.start(plan, extra_cpus=workers + trainer,
+                      shared=shares_trainer_bundles(cfg, plan))
     return served_section(cfg.engine), ActorEngine(group)
 
 
 __all__ = ["engine_actor_count", "engine_actor_lines", "engine_actor_problems", "served_section",
-           "start_engine_actors"]
+           "shares_trainer_bundles", "start_engine_actors", "trainer_placement_group"]

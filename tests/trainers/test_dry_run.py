@@ -23,11 +23,16 @@ from palaestra.trainers.dry_run import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-RECIPE_CONFIGS = ["search_r1_grpo", "gsm8k_grpo", "code_grpo"]
+RECIPE_CONFIGS = ["search_r1_grpo", "search_r1_ppo", "gsm8k_grpo", "code_grpo"]
+# script -> (env, the plan's head line, GPUs, engine actors)
+_HEAD = "{mode}, 4 trainer rank(s) (fsdp 4) on GPU bundles, {engines} engine(s) in the plan, {gpus} GPUs"
 SCRIPTS = {
-    "run_search_r1.sh": ("palaestra/SearchR1-v0", "disaggregated, 8 GPUs", 8),
-    "run_gsm8k_grpo.sh": ("palaestra/GSM8K-v0", "colocated, 4 GPUs", 4),
-    "run_code_grpo.sh": ("palaestra/Code-v0", "disaggregated, 8 GPUs", 8),
+    "run_search_r1.sh": ("palaestra/SearchR1-v0",
+                         _HEAD.format(mode="disaggregated", engines=4, gpus=8), 8, 4),
+    "run_gsm8k_grpo.sh": ("palaestra/GSM8K-v0",
+                          _HEAD.format(mode="colocated", engines=4, gpus=4), 4, 4),
+    "run_code_grpo.sh": ("palaestra/Code-v0",
+                         _HEAD.format(mode="disaggregated", engines=2, gpus=8), 8, 2),
 }
 
 
@@ -39,12 +44,40 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _script(script: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(REPO / "scripts" / script), "--dry-run", *args], cwd=REPO,
+                          env=_clean_env(**env), capture_output=True, text=True, timeout=60,
+                          check=False)
+
+
 @pytest.mark.parametrize("name", RECIPE_CONFIGS)
 def test_recipe_config_loads(name: str) -> None:
+    from palaestra.trainers.run_engines import engine_actor_count
+
     cfg = load_config(TrainConfig, REPO / "configs" / f"{name}.toml")
-    assert cfg.engine.kind == "sglang" and cfg.engine.urls
-    assert cfg.trainer.backend == "torch"  # megatron only through PALAESTRA_BACKEND
+    # [placement] starts the engines as Ray actors: no engine.urls of servers started by hand
+    assert cfg.engine.kind == "sglang" and not cfg.engine.urls and cfg.placement is not None
+    assert engine_actor_count(cfg) == cfg.placement.engine_gpus // cfg.placement.engine_tp > 0
+    assert cfg.trainer.backend == "torch"  # megatron through --trainer.backend
     assert cfg.env.id in {v[0] for v in SCRIPTS.values()}
+
+
+@pytest.mark.parametrize("name", RECIPE_CONFIGS)
+def test_palaestra_train_dry_run_of_a_recipe(name: str) -> None:
+    """`palaestra train configs/X.toml --dry-run` alone plans the recipe's trainer ranks and
+    engine actors (GPU bundles, planned on this CPU machine) and exits 0."""
+    proc = subprocess.run([sys.executable, "-m", "palaestra", "train",
+                           str(REPO / "configs" / f"{name}.toml"), "--dry-run"], cwd=REPO,
+                          env=_clean_env(), capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    cfg = load_config(TrainConfig, REPO / "configs" / f"{name}.toml")
+    p = cfg.placement
+    assert p is not None
+    assert f"placement: {'colocated' if p.colocate else 'disaggregated'}, {p.trainer_ranks} " \
+        "trainer rank(s)" in proc.stdout
+    assert proc.stdout.count("  engine actor ") == p.engine_gpus // p.engine_tp
+    assert ("trainer group:" in proc.stdout) == (p.trainer_ranks > 1)
 
 
 def test_ppo_recipe_plans_its_critic() -> None:
@@ -58,48 +91,53 @@ def test_ppo_recipe_plans_its_critic() -> None:
 
 @pytest.mark.parametrize("script", sorted(SCRIPTS))
 def test_script_dry_run_prints_plan(script: str) -> None:
-    env_id, placement, gpus = SCRIPTS[script]
-    proc = subprocess.run(["bash", str(REPO / "scripts" / script), "--dry-run"], cwd=REPO,
-                          env=_clean_env(), capture_output=True, text=True, timeout=60, check=False)
+    env_id, placement, gpus, engines = SCRIPTS[script]
+    proc = _script(script)
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert f"placement: {placement}" in out
     assert env_id in out
     table = [line for line in out.splitlines() if line[:3].strip().isdigit()]
     assert [int(line.split()[0]) for line in table] == list(range(gpus))
+    in_table = {line.split("engine ")[1].split()[0] for line in table if "engine " in line}
+    assert out.count("  engine actor ") == len(in_table) == engines  # one actor per engine
     resolved = json.loads(out.split("resolved config:\n", 1)[1])
-    engines = {line.split("engine ")[1].split()[0] for line in table if "engine " in line}
-    assert len(resolved["engine"]["urls"]) == len(engines)  # one URL per launched engine
-    assert "OVER" not in out
+    assert resolved["engine"]["urls"] == [] and resolved["placement"]["engine_gpus"] >= engines
+    assert "OVER" not in out and "deprecated" not in proc.stderr
 
 
 def test_script_overrides_reach_the_config() -> None:
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "run_search_r1.sh"), "--dry-run", "--trainer.steps", "3"],
-        cwd=REPO, env=_clean_env(PALAESTRA_ENGINE_GPUS="2",
-                                 RETRIEVER_URL="http://10.0.0.5:8000/retrieve"),
-        capture_output=True, text=True, timeout=60, check=False)
+    proc = _script("run_search_r1.sh", "--trainer.steps", "3", "--placement.engine_gpus", "2",
+                   RETRIEVER_URL="http://10.0.0.5:8000/retrieve")
     assert proc.returncode == 0, proc.stderr
     resolved = json.loads(proc.stdout.split("resolved config:\n", 1)[1])
-    assert resolved["trainer"]["steps"] == 3
-    assert resolved["engine"]["urls"] == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
+    assert resolved["trainer"]["steps"] == 3 and resolved["placement"]["engine_gpus"] == 2
     assert resolved["env"]["kwargs"]["retriever"] == "http://10.0.0.5:8000/retrieve"
-    assert "disaggregated, 6 GPUs" in proc.stdout
+    assert "2 engine(s) in the plan, 6 GPUs" in proc.stdout
+
+
+def test_old_layout_variables_are_deprecated_overrides() -> None:
+    proc = _script("run_gsm8k_grpo.sh", PALAESTRA_COLOCATE="0", PALAESTRA_GPUS="8")
+    assert proc.returncode == 0, proc.stderr
+    assert "PALAESTRA_COLOCATE is deprecated" in proc.stderr
+    assert "passing --placement.colocate false (use that flag instead)" in proc.stderr
+    assert "passing --placement.gpus_per_node 8" in proc.stderr
+    assert "placement: disaggregated, 4 trainer rank(s) (fsdp 4) on GPU bundles, 4 engine(s) " \
+        "in the plan, 8 GPUs" in proc.stdout
+    gone = _script("run_code_grpo.sh", SGLANG_PORT="31000")  # engines pick their own ports
+    assert gone.returncode == 2 and "SGLANG_PORT is no longer read" in gone.stderr
 
 
 def test_script_ppo_variant_plans_the_critic() -> None:
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "run_search_r1.sh"), "--dry-run"],
-        cwd=REPO, env=_clean_env(PALAESTRA_ALGO="ppo"),
-        capture_output=True, text=True, timeout=60, check=False)
+    proc = _script("run_search_r1.sh", PALAESTRA_ALGO="ppo")
     assert proc.returncode == 0, proc.stderr
     assert "critic: value model from" in proc.stdout and "Traceback" not in proc.stderr
+    assert "1 trainer rank(s) (fsdp 1) on GPU bundles, 4 engine(s) in the plan, 5 GPUs" \
+        in proc.stdout
 
 
 def test_script_megatron_backend_is_passed_through() -> None:
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "run_gsm8k_grpo.sh"), "--dry-run"],
-                          cwd=REPO, env=_clean_env(PALAESTRA_BACKEND="megatron"),
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = _script("run_gsm8k_grpo.sh", PALAESTRA_BACKEND="megatron")
     # ask a clean interpreter (under pytest tests/trainers/megatron shadows the package name)
     code = "import importlib.util, sys; sys.exit(importlib.util.find_spec('megatron') is None)"
     probe = subprocess.run([sys.executable, "-c", code],
@@ -111,9 +149,7 @@ def test_script_megatron_backend_is_passed_through() -> None:
 
 
 def test_script_rejects_bad_tp() -> None:
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "run_code_grpo.sh"), "--dry-run"],
-                          cwd=REPO, env=_clean_env(PALAESTRA_ENGINE_GPUS="3"),
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = _script("run_code_grpo.sh", "--placement.engine_gpus", "3")
     assert proc.returncode == 2 and "multiple of" in proc.stderr
 
 

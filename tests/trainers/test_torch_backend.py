@@ -333,7 +333,8 @@ def test_public_api_is_pinned():
                                   " -> 'dict[str, torch.Tensor]'",
         "iter_engine_weight_buckets": "(self, bucket_bytes: 'int' = 536870912, *, "
                                       "dtype: 'torch.dtype | None' = None, "
-                                      "device: 'str | torch.device' = 'cpu')"
+                                      "device: 'str | torch.device' = 'cpu', "
+                                      "every_rank: 'bool' = False)"
                                       " -> 'Iterator[list[tuple[str, torch.Tensor]]]'",
         "save": "(self, directory: 'str | Path', *, extra: 'dict[str, Any] | None' = None)"
                 " -> 'Path'",

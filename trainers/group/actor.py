@@ -131,11 +131,20 @@ class TrainerRank:
     def push_weights(self, spec: EnginePushSpec, version: int, keep: bool = True
                      ) -> dict[str, Any]:
         """Gather the full weights with every rank; rank 0 sends them to the servers of
-        ``spec`` as ``version``. Rank 0 answers its `TransferStats` and the servers that
-        declined the cache flush; the other ranks None."""
+        ``spec`` as ``version`` (or each rank to its own server: `EnginePushSpec.for_rank`).
+        A sending rank answers its `TransferStats` and the servers that declined the cache
+        flush; the others None."""
+        every_rank: dict[str, bool] = {}
+        if spec.rank_urls:  # each rank feeds its own server: each needs the full weights
+            if not _takes(self.backend.iter_engine_weight_buckets, "every_rank"):
+                raise ConfigError(
+                    f"{type(self.backend).__name__} ranks cannot each send their weights (ipc "
+                    "beside every rank): use engine.weight_sync.kind = 'tensor' or 'disk'")
+            every_rank = {"every_rank": True}
         buckets = self.backend.iter_engine_weight_buckets(
-            spec.bucket_bytes, dtype=spec.torch_dtype(), device=spec.device())
-        if self.rank != 0:
+            spec.bucket_bytes, dtype=spec.torch_dtype(), device=spec.device(), **every_rank)
+        mine = spec.for_rank(self.rank)
+        if mine is None:
             for _ in buckets:  # the gathers are collectives: take part, send nothing
                 pass
             return {"rank": self.rank, "stats": None, "pid": os.getpid()}
@@ -143,8 +152,8 @@ class TrainerRank:
             from palaestra.trainers.group.push import RankPusher
 
             self._pusher = RankPusher()
-        stats = self._pusher.push(spec, buckets, version, keep=keep)
-        return {"rank": 0, "stats": stats, "pid": os.getpid(),
+        stats = self._pusher.push(mine, buckets, version, keep=keep)
+        return {"rank": self.rank, "stats": stats, "pid": os.getpid(), "urls": mine.urls,
                 "unflushed": self._pusher.unflushed}
 
     def save(self, directory: str, extra: dict[str, Any] | None = None) -> str:
@@ -210,6 +219,12 @@ def _node_id() -> str | None:
     except ImportError:
         pass
     return None
+
+
+def _takes(method: Any, name: str) -> bool:
+    import inspect
+
+    return name in inspect.signature(method).parameters
 
 
 __all__ = ["TrainerRank", "free_port", "node_address"]

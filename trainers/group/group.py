@@ -1,7 +1,10 @@
 """`TrainerGroup`: the trainer ranks of a run as Ray actors on one placement group.
 
 `start` reserves the plan's trainer bundles (`palaestra.rollout.placement.RunPlan`: GPU bundles,
-or CPU bundles on CPU nodes) as a Ray placement group, starts one `TrainerRank` actor per bundle,
+or CPU bundles on CPU nodes) as a Ray placement group (or, given ``placement_group``, starts in
+an existing one of the whole plan: colocated engine actors reserved it, and rank r goes on bundle
+``plan.trainer_bundles[r]`` beside engine r, asking ``plan.trainer_gpu_fraction`` of its GPU and
+``plan.trainer_cpus``; the group then leaves it to its owner), starts one `TrainerRank` actor per bundle,
 asks rank 0 for its address and a free port and has every rank join that process group (NCCL on
 GPU, gloo on CPU) and load its backend: the torch backend sharded with FSDP2 (a
 `TorchBackendConfig`), or Megatron-core with the tp/ep of a `MegatronBackendConfig` and data
@@ -49,7 +52,8 @@ class TrainerGroup:
     """``len(plan.trainer_bundles)`` ranks of one backend as Ray actors (see the module doc)."""
 
     def __init__(self, model_path: str | Path, config: Any, plan: Any, *,
-                 address: str | None = None, ready_timeout_s: float = 300.0) -> None:
+                 address: str | None = None, ready_timeout_s: float = 300.0,
+                 placement_group: Any = None) -> None:
         self.model_path = Path(model_path)
         self.config = config
         self.plan = plan
@@ -58,11 +62,15 @@ class TrainerGroup:
         self.world_size = len(plan.trainer_bundles)
         self.actors: list[Any] = []
         self.ranks: list[dict[str, Any]] = []
-        self.placement_group: Any = None
+        # an existing placement group of the whole plan (colocated engine actors reserved it:
+        # rank r on its bundle ``plan.trainer_bundles[r]``, beside engine r); not removed here
+        self.placement_group: Any = placement_group
+        self._owns_placement_group = placement_group is None
         self._started_ray = False
         self._lost = False
         self.weight_relays = 0  # full state dicts brought into the driver (embedded engine)
         self.last_push: dict[str, Any] | None = None  # rank 0's answer to the last push
+        self.last_senders: list[dict[str, Any]] = []  # the answers of the ranks that sent
 
     # ------------------------------------------------------------------------ lifecycle
     def start(self) -> TrainerGroup:
@@ -88,7 +96,11 @@ class TrainerGroup:
                     f"the trainer group needs {need:g} {key} for {self.world_size} ranks but the "
                     f"Ray cluster has {have.get(key, 0):g}; lower placement.trainer_ranks or "
                     "placement.cpus_per_rank, or add nodes")
-        self.placement_group = placement_group(bundles, strategy=self.plan.strategy)
+        if self._owns_placement_group:
+            self.placement_group = placement_group(bundles, strategy=self.plan.strategy)
+            indices = list(range(self.world_size))
+        else:  # the plan's bundles: the trainer ranks' are plan.trainer_bundles
+            indices = list(self.plan.trainer_bundles)
         try:
             ray.get(self.placement_group.ready(), timeout=self.ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -98,14 +110,20 @@ class TrainerGroup:
                 "what is free)") from None
         from palaestra.trainers.group.actor import TrainerRank
 
-        for rank, bundle in enumerate(bundles):
+        for rank, (bundle, index) in enumerate(zip(bundles, indices, strict=True)):
             strategy = PlacementGroupSchedulingStrategy(
-                placement_group=self.placement_group, placement_group_bundle_index=rank)
-            actor_cls = ray.remote(num_cpus=bundle.get("CPU", 0),
+                placement_group=self.placement_group, placement_group_bundle_index=index)
+            # a colocated bundle also holds an engine actor: the rank asks its own share
+            cpus = min(bundle.get("CPU", 0),
+                       getattr(self.plan, "trainer_cpus", bundle.get("CPU", 0)))
+            actor_cls = ray.remote(num_cpus=cpus,
                                    num_gpus=self.plan.trainer_gpu_fraction if bundle.get("GPU")
                                    else 0, max_restarts=0)(TrainerRank)
             self.actors.append(actor_cls.options(scheduling_strategy=strategy).remote(
                 rank, self.world_size))
+        if not self._owns_placement_group:
+            print(f"[trainer group] {self.world_size} ranks on bundles {indices} of the engines' "
+                  f"placement group {self.placement_group.id.hex()[:12]}", flush=True)
         addr, port = self._get([self.actors[0].address.remote()])[0]
         self.ranks = self._get([a.init.remote(str(self.model_path), self.config, addr, port)
                                 for a in self.actors])
@@ -123,11 +141,11 @@ class TrainerGroup:
                 pass
         for actor in actors:
             ray.kill(actor)
-        if self.placement_group is not None:
+        if self.placement_group is not None and self._owns_placement_group:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.placement_group)
-            self.placement_group = None
+        self.placement_group = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
@@ -245,10 +263,19 @@ class TrainerGroup:
     def push_weights(self, spec: EnginePushSpec, version: int, *, keep: bool = True
                      ) -> TransferStats:
         """Every rank gathers the full weights, rank 0 sends them to ``spec``'s servers as
-        ``version`` (the driver receives only rank 0's timing); see `push`."""
+        ``version``, or each rank to the server beside it (ipc on shared bundles:
+        `EnginePushSpec.for_rank`); the driver receives only the senders' timings."""
+        from palaestra.rollout.engines.weight_transfer import TransferStats
+
         answers = self._all("push_weights", spec, version, keep)
         self.last_push = answers[0]
-        return answers[0]["stats"]  # type: ignore[no-any-return]
+        self.last_senders = [a for a in answers if a["stats"] is not None]
+        sent = [a["stats"] for a in self.last_senders]
+        if len(sent) == 1:
+            return sent[0]  # type: ignore[no-any-return]
+        # ranks sending side by side (each to its own server): the slowest, and all the bytes
+        return TransferStats(max(t.seconds for t in sent), sum(t.num_bytes for t in sent),
+                             sum(t.num_tensors for t in sent), sum(t.num_buckets for t in sent))
 
     def state_dict_for_engines(self, *, dtype: Any = None,
                                device: Any = "cpu") -> dict[str, Any]:

@@ -33,7 +33,8 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 @dataclass(frozen=True)
 class EnginePushSpec:
-    """Where and how rank 0 sends the weights (picklable: it travels to the rank's process)."""
+    """Where and how the ranks send the weights (picklable: it travels to the ranks' processes):
+    rank 0 to every server, or each rank to its own (`for_rank`)."""
 
     method: str  # distributed | disk | tensor
     urls: tuple[str, ...]
@@ -46,14 +47,34 @@ class EnginePushSpec:
     directory: str | None = None  # disk: the versions' folder (the servers must see it)
     model_dir: str | None = None  # disk: config and tokenizer files copied beside the weights
     tp_sizes: tuple[int, ...] = ()  # tensor: each server's TP size (one payload per TP rank)
+    # ipc beside a trainer group (a colocated plan): rank r's own server, on rank r's GPU; each
+    # rank holds the gathered weights, so each hands its GPU's copy to its neighbour
+    rank_urls: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.method not in REMOTE_METHODS:
             raise ConfigError(f"a trainer group pushes by {REMOTE_METHODS}, not {self.method!r}")
+        if self.rank_urls and self.method != "ipc":
+            raise ConfigError("rank_urls (a server per rank) is for the ipc path only")
         if not self.urls:
             raise ConfigError("a weight push needs at least one server URL")
         if self.method == "disk" and not self.directory:
             raise ConfigError("a disk push needs a directory the servers can read")
+
+    def for_rank(self, rank: int) -> EnginePushSpec | None:
+        """What trainer rank ``rank`` sends, None for nothing: rank 0 sends to every server,
+        except that with ``rank_urls`` each rank sends to its own neighbour (and rank 0 also to
+        any server that is no rank's neighbour, e.g. one that joined later)."""
+        if not self.rank_urls:
+            return self if rank == 0 else None
+        mine = (self.rank_urls[rank],) if rank < len(self.rank_urls) else ()
+        rest = tuple(u for u in self.urls if u not in self.rank_urls) if rank == 0 else ()
+        urls = mine + rest
+        if not urls:
+            return None
+        tp = dict(zip(self.urls, self.tp_sizes, strict=False))
+        return replace(self, urls=urls, rank_urls=(),
+                       tp_sizes=tuple(tp.get(u, 1) for u in urls) if self.tp_sizes else ())
 
     def only(self, url: str, tp_size: int = 1) -> EnginePushSpec:
         """The same path to one server alone (an engine that joins a running run), through a

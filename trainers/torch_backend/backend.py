@@ -537,13 +537,38 @@ class TorchBackend:
 
     def iter_engine_weight_buckets(
         self, bucket_bytes: int = 512 << 20, *, dtype: torch.dtype | None = None,
-        device: str | torch.device = "cpu",
+        device: str | torch.device = "cpu", every_rank: bool = False,
     ) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """``state_dict_for_engines`` cut into lists of at most ``bucket_bytes`` (>= 1 tensor)."""
+        """``state_dict_for_engines`` cut into lists of at most ``bucket_bytes`` (>= 1 tensor).
+
+        ``every_rank`` (FSDP2): every rank gets the full tensors, gathered one parameter at a
+        time as the buckets are taken (each rank then feeds the engine beside it: the ipc path
+        of a colocated trainer group), instead of the whole state dict on rank 0 alone.
+        """
         from palaestra.rollout.engines.weight_transfer import bucketize
 
+        if every_rank and self.dist.is_distributed:
+            if self.lora is not None:
+                raise ConfigError("every rank's full weights are not built under LoRA: use "
+                                  "engine.weight_sync.kind = 'tensor' for a LoRA trainer group")
+            return bucketize(self._gathered_weights(dtype, device), bucket_bytes)
         return bucketize(self.state_dict_for_engines(dtype=dtype, device=device).items(),
                          bucket_bytes)
+
+    def _gathered_weights(self, dtype: torch.dtype | None, device: str | torch.device
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each parameter's full tensor on every rank, in state-dict order (a collective per
+        parameter: every rank must take all of them); tied names share one gathered copy."""
+        copies: dict[int, torch.Tensor] = {}
+        # keep_vars: the Parameter objects themselves, so tied names meet the same object
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            key = id(tensor)
+            if key not in copies:
+                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                full = full.detach()
+                target = dtype if dtype is not None and full.is_floating_point() else full.dtype
+                copies[key] = full.to(device=device, dtype=target)
+            yield name, copies[key]
 
     def adapter_for_engines(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
         """Under LoRA: (the adapter's tensors under peft's names, its peft config) as a
