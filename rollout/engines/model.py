@@ -139,6 +139,9 @@ class Decoder:
 
     #: keys and values share one head width, so decode can use the split-KV kernel
     supports_split_kv = True
+    #: decode attention to each row's own length (`decode_attention`); the engine turns it on
+    #: after its self-check (a class default: subclasses with their own __init__ inherit it)
+    split_kv_attention = False
 
     def __init__(self, config: DecoderConfig, hf_config: Any, device: Any, dtype: Any,
                  qkv_bias: bool) -> None:
@@ -151,9 +154,6 @@ class Decoder:
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.q_dim, self.kv_dim = q_dim, kv_dim
         self.lora: Any = None  # a `palaestra.rollout.engines.lora.LoraRuntime` serving adapters
-        # decode attention to each row's own length (Triton, `decode_attention`); the engine
-        # turns it on after its self-check, else the batched dense GEMMs over the padded length
-        self.split_kv_attention = False
 
         def new(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, device=self.device, dtype=dtype)

@@ -150,7 +150,8 @@ def test_ppo_with_a_critic_learns_and_the_critic_explains_the_returns(setup):
     assert (out / "curves.png").stat().st_size > 0
 
 
-_TIMING = ("time/", "perf/", "drift/", "sync/", "time_s")
+_TIMING = ("time/", "perf/", "drift/", "sync/", "time_s",
+           "engine/")  # engine/: the scheduler's seconds, which follow the clock
 
 
 def _exact(record: dict) -> dict:
