@@ -9,21 +9,28 @@ Ray workers, which import this module by name).
   raise with probability ``fail_rate`` and hang with probability ``hang_rate``, decided by a hash
   of (episode seed, turn) so the same episode fails the same way every time.
 - `scripted_router`: a `Router` over canned calculator engines (the benchmark's instant engine).
+- `serve_processes`: real ``palaestra serve`` processes of a model on loopback, healthy, stopped
+  on exit (the servers of tests that need some).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import random
 import re
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from palaestra.envs.base import StepResult
 from palaestra.envs.calculator import CalculatorEnv, _format_number, evaluate_arithmetic
 from palaestra.types import Message
+
+if TYPE_CHECKING:
+    from palaestra.rollout.engines.sglang import ServerProcess
 
 FLAKY_ENV_ID = "palaestra-test/FlakyCalculator-v0"
 FLAKY_ENTRY = f"palaestra.rollout.testing:{FLAKY_ENV_ID}"
@@ -92,6 +99,27 @@ def scripted_router(tokenizer_path: str, n_engines: int = 2, latency_s: float = 
     return Router(engines, health_interval_s=0)
 
 
+@contextlib.contextmanager
+def serve_processes(model: str | Path, count: int, log_dir: str | Path, *,
+                    extra: Sequence[str] = ("--threads", "1"),
+                    env: Mapping[str, str] | None = None,
+                    timeout_s: float = 120.0) -> Iterator[list[ServerProcess]]:
+    """``count`` CPU ``palaestra serve`` processes of ``model`` (logs ``serve-<i>.log`` in
+    ``log_dir``), started together and healthy on entry, stopped on exit (a synchronous caller:
+    a test fixture)."""
+    from palaestra.rollout.engines.serve import serve_process
+    from palaestra.rollout.engines.sglang import wait_all_ready
+
+    procs = [serve_process(model, device="cpu", extra=extra, env=env,
+                           log_path=Path(log_dir) / f"serve-{i}.log") for i in range(count)]
+    try:
+        asyncio.run(wait_all_ready(procs, timeout_s))
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
 class FlakyCalculatorEnv(CalculatorEnv):
     """The calculator env with steps that raise or hang, deterministically per (seed, turn)."""
 
@@ -128,4 +156,5 @@ __all__ = [
     "FlakyCalculatorEnv",
     "canned_calculator_turns",
     "scripted_router",
+    "serve_processes",
 ]

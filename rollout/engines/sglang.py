@@ -455,6 +455,16 @@ class ServerProcess:
             self._log.close()  # type: ignore[union-attr]
 
 
+async def wait_all_ready(processes: Sequence[ServerProcess], timeout_s: float) -> None:
+    """Wait until every server answers; if one fails (or the wait is cancelled), stop them all."""
+    try:
+        await asyncio.gather(*(p.wait_ready(timeout_s) for p in processes))
+    except BaseException:
+        for p in processes:
+            p.stop()
+        raise
+
+
 class SGLangEngine:
     """Attach to SGLang-compatible servers and/or launch them; an `Engine` over all of them.
 
@@ -501,12 +511,7 @@ class SGLangEngine:
             if self.log_dir:
                 self.log_dir.mkdir(parents=True, exist_ok=True)
             self.processes.append(ServerProcess(argv, cfg.url, cfg.env(), log))
-        try:
-            await asyncio.gather(*(p.wait_ready(self.startup_timeout_s) for p in self.processes))
-        except BaseException:
-            for p in self.processes:
-                p.stop()
-            raise
+        await wait_all_ready(self.processes, self.startup_timeout_s)
         urls = self.urls + [p.url for p in self.processes]
         self.clients = [SGLangClient(u, **self.client_kw) for u in urls]
         if len(self.clients) == 1:
@@ -577,4 +582,5 @@ class SGLangEngine:
         self.processes = []
 
 
-__all__ = ["SGLangClient", "SGLangEngine", "SGLangServerConfig", "ServerProcess", "gpu_groups"]
+__all__ = ["SGLangClient", "SGLangEngine", "SGLangServerConfig", "ServerProcess", "gpu_groups",
+           "wait_all_ready"]

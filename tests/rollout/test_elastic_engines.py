@@ -52,20 +52,10 @@ def micro_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def servers(micro_model, tmp_path_factory):
     """Two `palaestra serve` processes of the micro model."""
-    from palaestra.rollout.engines.serve import serve_process
+    from palaestra.rollout.testing import serve_processes
 
-    logs = tmp_path_factory.mktemp("serve-logs")
-    procs = [serve_process(micro_model, device="cpu", extra=("--threads", "1"),
-                           log_path=logs / f"serve-{i}.log") for i in range(2)]
-    try:
-        async def ready() -> None:
-            await asyncio.gather(*(p.wait_ready(120) for p in procs))
-
-        asyncio.run(ready())
+    with serve_processes(micro_model, 2, tmp_path_factory.mktemp("serve-logs")) as procs:
         yield procs
-    finally:
-        for p in procs:
-            p.stop()
 
 
 def _read(path: Path) -> list[dict]:

@@ -12,7 +12,6 @@ the server's allowlist. CUDA IPC itself runs in test_ipc_weights_gpu.py.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import os
@@ -41,16 +40,12 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model: Path, tmp_path_factory: pytest.TempPathFactory):
-    from palaestra.rollout.engines.serve import serve_process
+    from palaestra.rollout.testing import serve_processes
 
-    proc = serve_process(model, device="cpu", extra=("--threads", "1", "--max-running", "4"),
-                         env={**os.environ, "OMP_NUM_THREADS": "1"},
-                         log_path=tmp_path_factory.mktemp("serve") / "s.log")
-    try:
-        asyncio.run(proc.wait_ready(120))
+    with serve_processes(model, 1, tmp_path_factory.mktemp("serve"),
+                         extra=("--threads", "1", "--max-running", "4"),
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}) as (proc,):
         yield proc.url
-    finally:
-        proc.stop()
 
 
 def _new_weights(model: Path, seed: int) -> dict[str, torch.Tensor]:

@@ -12,7 +12,6 @@ the driver never held a state dict (`TrainerGroup.weight_relays` stays 0).
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -54,15 +53,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(model: Path, tmp_path_factory: pytest.TempPathFactory):
-    from palaestra.rollout.engines.serve import serve_process
+    from palaestra.rollout.testing import serve_processes
 
-    proc = serve_process(model, device="cpu", extra=("--threads", "1", "--max-running", "4"),
-                         log_path=tmp_path_factory.mktemp("serve") / "s.log")
-    try:
-        asyncio.run(proc.wait_ready(120))
+    with serve_processes(model, 1, tmp_path_factory.mktemp("serve"),
+                         extra=("--threads", "1", "--max-running", "4")) as (proc,):
         yield proc.url
-    finally:
-        proc.stop()
 
 
 @pytest.fixture(scope="module")

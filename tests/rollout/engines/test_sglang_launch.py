@@ -13,10 +13,12 @@ from palaestra.errors import ConfigError, EngineError, MissingExtraError
 from palaestra.rollout.engines.base import EngineUnavailableError, SamplingParams
 from palaestra.rollout.engines.serve import serve_argv
 from palaestra.rollout.engines.sglang import (
+    ServerProcess,
     SGLangClient,
     SGLangEngine,
     SGLangServerConfig,
     gpu_groups,
+    wait_all_ready,
 )
 from palaestra.rollout.engines.weight_transfer import free_port
 
@@ -86,3 +88,15 @@ async def test_launch_a_server_and_generate(model_dir: str, tmp_path) -> None:
         procs = list(engine.processes)
     assert all(p.proc.poll() is not None for p in procs)  # stopped with the engine
     assert "palaestra serve" in (tmp_path / f"sglang-0-{servers[0].port}.log").read_text()
+
+
+async def test_one_server_failing_to_start_stops_the_others(tmp_path) -> None:
+    """`wait_all_ready`: a server that dies before answering fails the wait with its log, and
+    the ones still starting are stopped with it (nothing is left running)."""
+    dying = ServerProcess([sys.executable, "-c", "print('bad flag'); raise SystemExit(3)"],
+                          "http://127.0.0.1:9", log_path=tmp_path / "dying.log")
+    waiting = ServerProcess([sys.executable, "-c", "import time; time.sleep(60)"],
+                            "http://127.0.0.1:9", log_path=tmp_path / "waiting.log")
+    with pytest.raises(EngineError, match=r"(?s)exited with code 3.*bad flag"):
+        await wait_all_ready([dying, waiting], timeout_s=30)
+    assert waiting.proc.poll() is not None  # stopped, not left sleeping
