@@ -3,9 +3,9 @@
 `EngineSync.from_config` picks the path of ``[engine.weight_sync]``: the embedded engine's
 tensors overwritten in process; SGLang servers through a weight-update group (NCCL or gloo
 broadcast), CUDA IPC handles (``ipc``: servers colocated on this host's GPU map the trainer's
-memory, bucket by bucket), through disk, or base64 tensors over HTTP. `EngineSync.weights_of(backend)` is the
-`WeightPush` the rollout manager runs between pausing and resuming generation; `last` holds the
-timing of the newest push (logged as ``sync/*``).
+memory, bucket by bucket), through disk, or base64 tensors over HTTP.
+`EngineSync.weights_of(backend)` is the `WeightPush` the rollout manager runs between pausing
+and resuming generation; `last` holds the timing of the newest push (logged as ``sync/*``).
 
 A trainer group pushing to servers (`palaestra.trainers.group.push.PushesOwnWeights`) sends the
 weights from its rank 0 itself: `EngineSync` gives it the path (`push_spec`: the method, the

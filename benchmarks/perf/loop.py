@@ -286,8 +286,8 @@ def _f(v: Any, digits: int = 2) -> str:
 
 
 HEADER = ("| shape | backend | mode | variant | step s | rollout s | logprobs s | train s | "
-          "sync s | idle GPU s | engine decode / prefill / host s | decode calls | tokens/s | MFU | "
-          "MFU (nominal N) | micro-batches | parked | peak GiB |\n"
+          "sync s | idle GPU s | engine decode / prefill / host s | decode calls | tokens/s | "
+          "MFU | MFU (nominal N) | micro-batches | parked | peak GiB |\n"
           "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 

@@ -98,9 +98,9 @@ class StreamChunk:
 def _attention_backends(device: Any) -> contextlib.AbstractContextManager[Any]:
     """SDPA without the cuDNN backend on CUDA. Prefill shapes are nearly all new (requests x
     new tokens x key length) and SDPA's default choice on an H200 spent its time on the host
-    for each of them: in the issue-22 loop the prefill forwards took 65 ms per prefill step with it and
-    23 ms without (`benchmarks/perf/loop.py`, ~16 prefill steps per RL step), while the GPU
-    waited. Flash and memory-efficient kernels take any shape at once."""
+    for each of them: in the issue-22 loop the prefill forwards took 65 ms per prefill call
+    with it and 23 ms without (`benchmarks/perf/loop.py`, ~16 prefill calls per RL step),
+    while the GPU waited. Flash and memory-efficient kernels take any shape at once."""
     if getattr(device, "type", device) != "cuda":
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

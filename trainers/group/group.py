@@ -4,9 +4,9 @@
 or CPU bundles on CPU nodes) as a Ray placement group (or, given ``placement_group``, starts in
 an existing one of the whole plan: colocated engine actors reserved it, and rank r goes on bundle
 ``plan.trainer_bundles[r]`` beside engine r, asking ``plan.trainer_gpu_fraction`` of its GPU and
-``plan.trainer_cpus``; the group then leaves it to its owner), starts one `TrainerRank` actor per bundle,
-asks rank 0 for its address and a free port and has every rank join that process group (NCCL on
-GPU, gloo on CPU) and load its backend: the torch backend sharded with FSDP2 (a
+``plan.trainer_cpus``; the group then leaves it to its owner), starts one `TrainerRank` actor
+per bundle, asks rank 0 for its address and a free port and has every rank join that process
+group (NCCL on GPU, gloo on CPU) and load its backend: the torch backend sharded with FSDP2 (a
 `TorchBackendConfig`), or Megatron-core with the tp/ep of a `MegatronBackendConfig` and data
 parallelism over the rest of the world. The group has the backend's methods, so the loop drives
 it as it drives one in-process backend:
