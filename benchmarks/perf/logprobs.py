@@ -42,6 +42,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from palaestra.benchmarks.perf.lora import synthetic_batch
+
 
 def _sync(device: str) -> None:
     import torch
@@ -170,24 +172,6 @@ def bench_head(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _train_batch(seqs: int, tokens: int, vocab: int) -> Any:
-    import torch
-
-    from palaestra.trainers.batching import TrainBatch
-
-    g = torch.Generator().manual_seed(0)
-    ids, masks, adv, rollout = [], [], [], []
-    for i in range(seqs):
-        ids.append(torch.randint(0, vocab, (tokens,), generator=g))
-        mask = torch.tensor([0.0] * (tokens // 4) + [1.0] * (tokens - tokens // 4))
-        masks.append(mask)
-        adv.append(mask * (1.0 if i % 2 else -1.0))
-        rollout.append(mask * -5.0)
-    return TrainBatch(token_ids=tuple(ids), loss_mask=tuple(masks), advantages=tuple(adv),
-                      rollout_logprobs=tuple(rollout),
-                      group_ids=tuple(f"g{i // 8}" for i in range(seqs)))
-
-
 def _time_steps(model: Path, settings: dict[str, Any], batch: Any, reps: int, device: str
                 ) -> dict[str, Any]:
     import torch
@@ -245,7 +229,7 @@ def bench_step(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     model = _model(size, work, args.device)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     seqs, tokens = (160, args.seq_len) if cuda else (16, 64)
-    batch = _train_batch(args.seqs or seqs, tokens, min(vocab, 1000))
+    batch = synthetic_batch(args.seqs or seqs, tokens, min(vocab, 1000))
     # the loop's GPU settings (docs/results.md): varlen attention, 16k-token packed micro-batches
     common: dict[str, Any] = {"cpu_autocast": "off", "logprob_chunk_tokens": args.chunks[0]}
     if cuda:
@@ -296,7 +280,7 @@ def bench_cpu_autocast(args: argparse.Namespace, work: Path) -> list[dict[str, A
     for size, seqs, tokens in (("tiny", 16, 64), ("small", 16, 128), ("10m", 16, 128)):
         model = _model(size, work, "cpu")
         vocab = json.loads((model / "config.json").read_text())["vocab_size"]
-        batch = _train_batch(seqs, tokens, vocab)
+        batch = synthetic_batch(seqs, tokens, vocab)
         backends = {mode: TorchBackend(model, TorchBackendConfig(
             device="cpu", lr=1e-5, cpu_autocast=mode, pack_sequences=False))
             for mode in ("off", "bf16")}

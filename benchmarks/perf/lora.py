@@ -32,7 +32,9 @@ from pathlib import Path
 from typing import Any
 
 
-def _batch(seqs: int, tokens: int, vocab: int, seed: int) -> Any:
+def synthetic_batch(seqs: int, tokens: int, vocab: int, seed: int = 0) -> Any:
+    """``seqs`` random sequences of ``tokens`` ids (the first quarter masked out), alternating
+    advantages, fixed rollout logprobs: a train batch of a chosen shape (the benchmarks')."""
     import torch
 
     from palaestra.trainers.batching import TrainBatch
@@ -108,7 +110,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             torch.cuda.reset_peak_memory_stats()
         backend = TorchBackend(model, TorchBackendConfig(device=args.device, lr=1e-4, lora=lora,
                                                          pack_sequences=args.device == "cuda"))
-        batch = _batch(args.seqs, args.tokens, min(vocab, 1000), 0)
+        batch = synthetic_batch(args.seqs, args.tokens, min(vocab, 1000))
         modes = ("merged", "lowrank") if kind == "lora" else ("full",)
         engines = {m: LocalEngine(model, device=args.device, dtype=engine_dtype,
                                   lora_mode="merged" if m == "full" else m,
