@@ -529,9 +529,7 @@ class TorchBackend:
         for name, tensor in sd.items():
             key = tensor.data_ptr()
             if key not in copies:
-                t = tensor.detach()
-                target_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
-                copies[key] = t.to(device=device, dtype=target_dtype, copy=True)
+                copies[key] = _for_engines(tensor, dtype, device)
             out[name] = copies[key]
         return out
 
@@ -564,10 +562,9 @@ class TorchBackend:
         for name, tensor in self.model.state_dict(keep_vars=True).items():
             key = id(tensor)
             if key not in copies:
-                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-                full = full.detach()
-                target = dtype if dtype is not None and full.is_floating_point() else full.dtype
-                copies[key] = full.to(device=device, dtype=target)
+                sharded = hasattr(tensor, "full_tensor")  # a gathered DTensor is a fresh copy
+                full = tensor.full_tensor() if sharded else tensor
+                copies[key] = _for_engines(full, dtype, device, copy=not sharded)
             yield name, copies[key]
 
     def adapter_for_engines(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
@@ -658,6 +655,14 @@ class TorchBackend:
         return {"allocated_gib": torch.cuda.memory_allocated(self.device) / gib,
                 "reserved_gib": torch.cuda.memory_reserved(self.device) / gib,
                 "peak_gib": torch.cuda.max_memory_allocated(self.device) / gib}
+
+
+def _for_engines(tensor: torch.Tensor, dtype: torch.dtype | None, device: str | torch.device,
+                 *, copy: bool = True) -> torch.Tensor:
+    """The engines' tensor: floating ones cast to ``dtype`` (others keep theirs), on ``device``,
+    detached; ``copy`` (a live parameter, which later steps change): never the same memory."""
+    target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+    return tensor.detach().to(device=device, dtype=target, copy=copy)
 
 
 __all__ = ["TorchBackend", "seed_everything"]
