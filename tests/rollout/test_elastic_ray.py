@@ -61,25 +61,57 @@ async def test_a_worker_routes_over_the_urls_it_is_given(two_servers, micro_mode
         await worker.shutdown()
 
 
+def rl_rows(metrics) -> list[dict]:
+    return [r for r in read_jsonl(metrics) if r.get("phase") == "rl"]
+
+
 @pytest.mark.slow
 def test_engines_add_gpus_0_and_remove_with_ray_workers(tmp_path, micro_model):
+    """The run is held still (its env resets nothing) from after step 0 until the new engine
+    waits to join, so the join's step does not depend on how fast this machine starts an
+    engine: it joins at the first boundary after the hold, with steps left to serve and drain."""
+    import threading
+
     from palaestra.trainers.engines_cli import call
 
-    steps = 6  # steps of >= 1.5 s (each episode's env step sleeps): the engine starts in a few
+    steps = 6
     config = run_config(tmp_path, micro_model, steps=steps, engines=1, cluster="ray")
-    proc = start_run(tmp_path, config, sleep_s=1.5)
+    hold = tmp_path / "hold"
+    proc = start_run(tmp_path, config, sleep_s=0.2, hold_file=hold)
     run = tmp_path / "run"
     metrics = run / "metrics.jsonl"
+    answers: dict = {}
+
+    def add() -> None:  # returns once it serves, at the next step boundary
+        try:
+            answers["joined"] = call(run, "add", gpus=0)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
+            answers["error"] = exc
+
+    adder = threading.Thread(target=add, daemon=True)
     try:
         wait_for(run / "admin.json", proc)
         first = call(run, "list")["actors"][0]
         while not metrics.exists() or not read_jsonl(metrics):  # mid-run: after step 0
             assert proc.poll() is None
             time.sleep(0.05)
-        joined = call(run, "add", gpus=0)  # returns once it serves, at the next step boundary
+        hold.touch()  # no step finishes from here until the new engine waits to join
+        held_at = len(rl_rows(metrics))
+        adder.start()
+        deadline = time.monotonic() + 180
+        while not call(run, "list")["joining"]:
+            assert proc.poll() is None and "error" not in answers, answers
+            assert time.monotonic() < deadline, "the new engine never came up to join"
+            time.sleep(0.1)
+        assert len(rl_rows(metrics)) <= held_at + 1  # held: at most the step in flight ended
+        hold.unlink()
+        adder.join(timeout=180)
+        assert "error" not in answers, answers
+        joined = answers["joined"]
         actor = joined["actor"]
         assert joined["url"] == actor["url"] != first["url"] and actor["gpus"] == 0
-        assert 0 < joined["version"] == joined["step"] < steps - 2
+        # the first boundary after the hold (async prefetch may have one step in flight)
+        assert 0 < joined["version"] == joined["step"] <= held_at + 2 < steps - 2
         listed = call(run, "list")
         assert {e["name"]: e["weight_version"] for e in listed["engines"]} == {
             first["url"]: joined["version"], actor["url"]: joined["version"]}

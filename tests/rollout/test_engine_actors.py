@@ -24,7 +24,8 @@ from palaestra.trainers.config import TrainConfig
 pytest.importorskip("ray")
 
 FAST_ENV = '''
-"""A reward for longer replies; ``SLEEP_S`` per episode reset (so a run's steps take a while)."""
+"""A reward for longer replies; ``SLEEP_S`` per episode reset (so a run's steps take a while),
+and no reset at all while the file ``HOLD_FILE`` names exists (a test holds the run still)."""
 import os
 import time
 
@@ -39,6 +40,9 @@ class LongEnv(Env):
 
     def initial_messages(self, task):
         time.sleep(float(os.environ.get("SLEEP_S", "0")))
+        hold = os.environ.get("HOLD_FILE")
+        while hold and os.path.exists(hold):
+            time.sleep(0.02)
         return [Message("user", task["question"])]
 
     def on_action(self, action):
@@ -101,9 +105,12 @@ cpus_per_engine = 0.25
     return path
 
 
-def start_run(tmp_path: Path, config: Path, sleep_s: float = 0.0) -> subprocess.Popen[str]:
+def start_run(tmp_path: Path, config: Path, sleep_s: float = 0.0,
+              hold_file: Path | None = None) -> subprocess.Popen[str]:
+    """``palaestra train config``; its env sleeps ``sleep_s`` per reset and resets nothing while
+    ``hold_file`` exists."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "SLEEP_S": str(sleep_s),
+           "SLEEP_S": str(sleep_s), "HOLD_FILE": str(hold_file or ""),
            "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env.pop("RAY_ADDRESS", None)
     return subprocess.Popen([sys.executable, "-m", "palaestra", "train", str(config)], env=env,
