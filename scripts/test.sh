@@ -3,6 +3,9 @@
 # [tool.mypy] of pyproject.toml: zero errors), then runs the CPU test suite.
 #   bash scripts/test.sh [pytest args...]
 # PALAESTRA_SKIP_TYPECHECK=1 skips the type check (a quick run of a few tests).
+# The default leaves out the tests marked `slow` (whole training runs of more than ~20 s on the
+# 2-core machine: the CPU suite stays within minutes on any machine of this kind);
+# PALAESTRA_SLOW=1 runs them too (the full suite), PALAESTRA_SLOW=only runs them alone.
 # GPU tests carry the `gpu` marker and skip cleanly without CUDA; `docker` tests skip (with the
 # reason) where no Docker engine runs. pytest's exit code 5 (nothing collected) counts as success.
 set -uo pipefail
@@ -14,7 +17,12 @@ typecheck=0
 if [ "${PALAESTRA_SKIP_TYPECHECK:-0}" != 1 ]; then
   "$VENV/bin/python" -m mypy || typecheck=$?
 fi
-"$VENV/bin/python" -m pytest -q "$@"
+case "${PALAESTRA_SLOW:-0}" in
+  1) select=() ;;
+  only) select=(-m slow) ;;
+  *) select=(-m "not slow") ;;
+esac
+"$VENV/bin/python" -m pytest -q "${select[@]}" "$@"
 rc=$?
 if [ "$rc" -eq 5 ]; then rc=0; fi
 if [ "$rc" -eq 0 ] && [ "$typecheck" -ne 0 ]; then
