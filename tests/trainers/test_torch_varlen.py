@@ -50,3 +50,13 @@ def test_varlen_logprobs_and_step_match_padded_rows(model_dir: Path) -> None:
 def test_varlen_refuses_padded_rows(model_dir: Path) -> None:
     with pytest.raises(ConfigError, match="pack_sequences"):
         _backend(model_dir, pack_sequences=False, attn_implementation="varlen")
+
+
+def test_auto_attention_is_varlen_for_packed_rows_on_cuda_only() -> None:
+    from palaestra.trainers.torch_backend.backend import VARLEN, resolve_attn_implementation
+
+    assert resolve_attn_implementation("auto", "cuda", packed=True) == VARLEN
+    assert resolve_attn_implementation("auto", "cuda", packed=False) == "sdpa"
+    assert resolve_attn_implementation("auto", "cpu", packed=True) == "sdpa"
+    assert resolve_attn_implementation("eager", "cuda", packed=True) == "eager"
+    assert resolve_attn_implementation(None, "cuda", packed=True) is None

@@ -97,6 +97,16 @@ def _varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.view(1, q.shape[0], q.shape[1], -1), None
 
 
+def resolve_attn_implementation(setting: str | None, device_type: str, packed: bool
+                                ) -> str | None:
+    """``"auto"``: the varlen flash kernel for packed rows on CUDA (an RL batch of 256 ragged
+    sequences on an H200, Qwen3-0.6B shape: train step 0.85 s against 1.89 s with SDPA over a
+    block-diagonal mask, which runs the masked kernel over every packed pair), else SDPA."""
+    if setting != "auto":
+        return setting
+    return VARLEN if device_type == "cuda" and packed else "sdpa"
+
+
 def _register_varlen() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -138,6 +148,8 @@ class TorchBackend:
         self.model_path = Path(model_path)
         self.dist: DistInfo = setup_distributed(self.config.device)
         self.device = self.dist.device
+        self.attn_implementation = resolve_attn_implementation(
+            self.config.attn_implementation, self.device.type, self.config.pack_sequences)
         self.compute_dtype = self._compute_dtype()
         self.param_dtype = _DTYPES[self.config.param_dtype]
         self.fsdp = self.dist.is_distributed and self.config.fsdp == "auto"
@@ -194,13 +206,13 @@ class TorchBackend:
             "dtype": self.param_dtype,
             "trust_remote_code": self.config.trust_remote_code,
         }
-        if self.config.attn_implementation == VARLEN:
+        if self.attn_implementation == VARLEN:
             if not self.config.pack_sequences:
                 raise ConfigError("attn_implementation='varlen' attends within packed rows: set "
                                   "pack_sequences=True (or use 'sdpa')")
             kwargs["attn_implementation"] = _register_varlen()
-        elif self.config.attn_implementation:
-            kwargs["attn_implementation"] = self.config.attn_implementation
+        elif self.attn_implementation:
+            kwargs["attn_implementation"] = self.attn_implementation
         if self.config.critic and trainable:
             # the value head starts from a seeded random init; no dropout keeps it deterministic
             hf_config = AutoConfig.from_pretrained(
@@ -253,7 +265,7 @@ class TorchBackend:
         """Logits ``[R, L, V]`` (``hidden``: the last hidden states ``[R, L, H]``, the output
         layer skipped) and the valid-position mask ``[R, L]`` of a micro-batch."""
         extra: dict[str, Any] = {}
-        if self.config.attn_implementation == VARLEN:
+        if self.attn_implementation == VARLEN:
             lengths = [n for _, _, n in mb.spans]
             cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
             cu = cu.to(self.device, non_blocking=True)

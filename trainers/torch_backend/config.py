@@ -28,8 +28,11 @@ class TorchBackendConfig(OptimizerSettings):
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     """Dtype of the trained (master) weights and optimizer state."""
 
-    attn_implementation: str | None = "sdpa"
-    """Hugging Face attention implementation ("sdpa", "eager", "flash_attention_2", ...)."""
+    attn_implementation: str | None = "auto"
+    """Hugging Face attention implementation ("sdpa", "eager", "flash_attention_2", ...), or
+    "varlen" (packed rows attend within each sequence through torch's variable-length flash
+    kernel; per-sequence SDPA on CPU). "auto": "varlen" for packed rows on CUDA (measured 2.2x
+    faster on an H200 train step of 256 ragged sequences), else "sdpa"."""
 
     trust_remote_code: bool = False
     """Allow model code from the checkpoint directory (custom architectures)."""
