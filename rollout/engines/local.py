@@ -246,8 +246,8 @@ class LocalEngine:
         the split-KV kernel (`decode_attention`), or a clear error where it cannot run;
         ``auto``: the kernel on CUDA when Triton is here and it agrees with the dense path on a
         small case of this model's heads, else dense. Returns what decode uses. Not the default
-        because it did not measure faster on an H200 in the issue-22 loop (its one program per
-        query head reads a grouped key/value head once per query head)."""
+        until measured: the first kernel (one program per query head) was no faster on an H200;
+        the grouped one (a program per key/value head) awaits its GPU numbers."""
         from palaestra.rollout.engines import decode_attention as split_kv
 
         if choice not in ("auto", "triton", "dense"):
