@@ -6,8 +6,8 @@ on a CUDA machine with Triton::
 
     PYTHONPATH=$PWD/src python3 benchmarks/perf/decode_attention.py --json decode_attention.json
 
-For each batch (``--batches``, rows of random lengths in ``--lengths LO:HI``, the key-length
-bucket rounded up to 64 as the engine's CUDA graphs do) it reports:
+For each batch (``--batches``) and length range (``--lengths``: rows of uniform random lengths,
+the key-length bucket rounded up to 64 as the engine's CUDA graphs do) it reports:
 
 - **exactness**: max |error| of each path against a float32 reference (`dense_reference`), in
   bf16 and in float32 (the engine's tests run float32: the kernel must be within 1e-4 there),
@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="256,64")
-    p.add_argument("--lengths", default="200:1500", help="LO:HI row lengths (uniform)")
+    p.add_argument("--lengths", default="200:1500,64:448",
+                   help="LO:HI row lengths (uniform), comma-separated ranges (the second default "
+                        "is the engine benchmark's: prompts 64-192 plus up to 256 new tokens)")
     p.add_argument("--calls", type=int, default=28, help="calls per captured graph (layers)")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--peak-bw-gbs", type=float, default=None)
@@ -233,28 +235,33 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("decode_attention benchmark: needs a CUDA GPU")
     name = torch.cuda.get_device_name()
     peak = args.peak_bw_gbs or next((v for k, v in PEAK_BW_GBS.items() if k in name), 4800.0)
-    lo, hi = (int(x) for x in args.lengths.split(":"))
     configs = sweep_configs() if args.sweep else {"kernel": DEFAULT}
     copy = _copy_gbs()
     print(f"{name}: peak {peak:.0f} GB/s, device copy {copy:.0f} GB/s "
           f"({100 * copy / peak:.0f}% of peak)", flush=True)
     rows = []
-    for b in (int(x) for x in args.batches.split(",")):
+    spans = [tuple(int(x) for x in span.split(":")) for span in args.lengths.split(",")]
+    for (lo, hi), b in ((s, int(x)) for s in spans for x in args.batches.split(",")):
         row = measure(b, lo, hi, args.calls, args.replays, peak, configs)
+        row["lengths"] = f"{lo}:{hi}"
         rows.append(row)
-        print(f"B={b}: dense {row['dense_us']:.1f} us ({100 * row['dense_fraction_of_bound']:.1f}%"
+        print(f"B={b}, lengths {lo}:{hi}: dense {row['dense_us']:.1f} us "
+              f"({100 * row['dense_fraction_of_bound']:.1f}%"
               f" of bound), kernel {row['kernel_us']:.1f} us "
               f"({100 * row['kernel_fraction_of_bound']:.1f}%), x{row['kernel_speedup']:.2f}; "
               f"err bf16 dense {row['dense_err_bf16']:.2e} kernel {row['kernel_err_bf16']:.2e}, "
               f"fp32 dense {row['dense_err_fp32']:.2e} kernel {row['kernel_err_fp32']:.2e}, "
               f"graph replay {row['graph_replay_err_fp32']:.2e}", flush=True)
-    print("\n| batch | key len | mean len | config | splits x chunk | us/call | % of HBM bound |")
-    print("|---:|---:|---:|---|---|---:|---:|")
+    print("\n| batch | lengths | key len | mean len | config | splits x chunk | us/call | "
+          "% of HBM bound |")
+    print("|---:|---|---:|---:|---|---|---:|---:|")
     for r in rows:
-        print(f"| {r['batch']} | {r['key_len']} | {r['mean_length']:.0f} | dense | padded | "
+        print(f"| {r['batch']} | {r['lengths']} | {r['key_len']} | {r['mean_length']:.0f} | "
+              f"dense | padded | "
               f"{r['dense_us']:.1f} | {100 * r['dense_fraction_of_bound']:.1f} |")
         for c in configs:
-            print(f"| {r['batch']} | {r['key_len']} | {r['mean_length']:.0f} | {c} | "
+            print(f"| {r['batch']} | {r['lengths']} | {r['key_len']} | {r['mean_length']:.0f} | "
+                  f"{c} | "
                   f"{r[f'{c}_splits']} x {r[f'{c}_chunk']} | {r[f'{c}_us']:.1f} | "
                   f"{100 * r[f'{c}_fraction_of_bound']:.1f} |")
     ok = all(r["kernel_err_fp32"] <= 1e-4 and r["graph_replay_err_fp32"] <= 1e-4 for r in rows)

@@ -66,13 +66,15 @@ DEFAULT = KernelConfig()
 def _kernel() -> tuple[Any, Any]:
     """(stage 1, stage 2), jitted on first use (under the interpreter if TRITON_INTERPRET=1).
 
-    The kernels call Triton builtins and their own jitted helpers only (``tl.full`` and
-    ``tl.reduce``, not the jitted ``tl.zeros``, ``tl.cdiv``, ``tl.max`` or ``tl.sum``): the
-    interpreter patches the builtins, so these kernels also run interpreted in a process that
-    imported Triton before ``TRITON_INTERPRET`` was set (as a test process that loaded a
-    transformers model first has)."""
+    The kernels call Triton builtins and their own jitted helpers only (``tl.full``, not the
+    jitted ``tl.zeros`` or ``tl.cdiv``): the interpreter patches the builtins but cannot call
+    Triton's own jitted library functions when Triton was imported before ``TRITON_INTERPRET``
+    was set (as in a test process that loaded a transformers model first). There the max and
+    sum reductions go through ``tl.reduce`` with jitted combine functions (slower in the
+    interpreter); everywhere else they are ``tl.max`` and ``tl.sum``."""
     import triton
     import triton.language as tl
+    from triton.runtime.jit import JITFunction
 
     @triton.jit
     def _combine_max(a, b):
@@ -82,8 +84,26 @@ def _kernel() -> tuple[Any, Any]:
     def _combine_add(a, b):
         return a + b
 
+    if isinstance(_combine_max, JITFunction) or not isinstance(tl.max, JITFunction):
+        @triton.jit
+        def _row_max(x, axis: tl.constexpr):
+            return tl.max(x, axis=axis)
+
+        @triton.jit
+        def _row_sum(x, axis: tl.constexpr):
+            return tl.sum(x, axis=axis)
+    else:  # interpreting, with Triton's library jitted for the compiler
+        @triton.jit
+        def _row_max(x, axis: tl.constexpr):
+            return tl.reduce(x, axis, _combine_max)
+
+        @triton.jit
+        def _row_sum(x, axis: tl.constexpr):
+            return tl.reduce(x, axis, _combine_add)
+
     # the interpreter runs a kernel's source again over its module's globals (not its closure)
-    globals().update(_combine_max=_combine_max, _combine_add=_combine_add)
+    globals().update(_combine_max=_combine_max, _combine_add=_combine_add, _row_max=_row_max,
+                     _row_sum=_row_sum)
 
     @triton.jit
     def split_kernel(q_ptr, k_ptr, v_ptr, len_ptr, out_ptr, acc_ptr, max_ptr, sum_ptr,
@@ -123,10 +143,10 @@ def _kernel() -> tuple[Any, Any]:
                 # scores in base 2: qk_scale = softmax scale * log2(e)
                 scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * qk_scale
                 scores = tl.where(live[None, :], scores, float("-inf"))
-                new_max = tl.maximum(run_max, tl.reduce(scores, 1, _combine_max))
+                new_max = tl.maximum(run_max, _row_max(scores, 1))
                 rescale = tl.exp2(run_max - new_max)
                 probs = tl.exp2(scores - new_max[:, None])
-                run_sum = run_sum * rescale + tl.reduce(probs, 1, _combine_add)
+                run_sum = run_sum * rescale + _row_sum(probs, 1)
                 values = tl.load(v_base + pos[:, None] * stride_vn + dims[None, :],
                                  mask=live[:, None] & dmask, other=0.0)
                 acc = acc * rescale[:, None] + tl.dot(probs.to(values.dtype), values,
@@ -157,12 +177,11 @@ def _kernel() -> tuple[Any, Any]:
         stat = row * stride_mb + head * stride_mh + s
         maxes = tl.load(max_ptr + stat, mask=live, other=float("-inf"))
         sums = tl.load(sum_ptr + stat, mask=live, other=0.0)
-        weights = tl.where(live, tl.exp2(maxes - tl.reduce(maxes, 0, _combine_max)), 0.0)
+        weights = tl.where(live, tl.exp2(maxes - _row_max(maxes, 0)), 0.0)
         part = row * stride_ab + head * stride_ah + s * stride_as
         acc = tl.load(acc_ptr + part[:, None] + dims[None, :],
                       mask=live[:, None] & (dims < D)[None, :], other=0.0)
-        out = (tl.reduce(acc * weights[:, None], 0, _combine_add)
-               / tl.reduce(weights * sums, 0, _combine_add))
+        out = _row_sum(acc * weights[:, None], 0) / _row_sum(weights * sums, 0)
         tl.store(out_ptr + row * stride_ob + head * stride_oh + dims,
                  out.to(out_ptr.dtype.element_ty), mask=dims < D)
 
@@ -274,10 +293,11 @@ def self_check(device: Any, dtype: Any, heads: int, kv_heads: int, head_dim: int
         scale = head_dim ** -0.5
         want = dense_reference(q, k, v, lengths, scale)
         err = 0.0
-        for config in (DEFAULT, KernelConfig(min_chunk=64, target_programs=1 << 20)):
+        for config in (DEFAULT, KernelConfig(target_programs=1),
+                       KernelConfig(min_chunk=64, target_programs=1 << 20)):
             got = decode_attention(q, k, v, lengths, scale, key_len=cap, config=config).float()
             err = max(err, float((got - want).abs().max()))
-    except Exception as exc:  # noqa: BLE001 - a Triton that cannot compile here: keep the dense path
+    except Exception as exc:  # noqa: BLE001 - a Triton that cannot compile: keep the dense path
         return f"{type(exc).__name__}: {exc}"
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     return None if err <= tol else f"max |error| {err:.3g} above {tol}"

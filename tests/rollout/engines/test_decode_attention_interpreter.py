@@ -28,7 +28,8 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import torch
     torch.set_num_threads(1)
-    from palaestra.rollout.engines.decode_attention import KernelConfig, decode_attention, num_splits
+    from palaestra.rollout.engines.decode_attention import (
+        KernelConfig, decode_attention, num_splits)
 
     def reference(q, k, v, lengths, scale):
         # plain float64 attention of row b's query heads to its first lengths[b] positions
@@ -149,7 +150,8 @@ ENGINE_SCRIPT = textwrap.dedent(
 
     fast, dense = asyncio.run(run(True)), asyncio.run(run(False))
     print(json.dumps({
-        "tokens": [list(g.token_ids) for g in fast], "dense_tokens": [list(g.token_ids) for g in dense],
+        "tokens": [list(g.token_ids) for g in fast],
+        "dense_tokens": [list(g.token_ids) for g in dense],
         "max_logprob_diff": max(abs(a - b) for f, d in zip(fast, dense)
                                 for a, b in zip(f.logprobs, d.logprobs)),
     }))
