@@ -104,7 +104,9 @@ class DecodeGraphs:
         and ``uniforms`` ``[B]`` (None when every row is greedy); (tokens [B], logprobs [B])."""
         b = positions.shape[0]
         entry = self._replay(tokens, positions, key_len, sampler, uniforms)
-        return entry.out[0][:b], entry.out[1][:b]
+        # copies: the next replay of this graph overwrites its outputs, and the engine keeps
+        # every step's tokens until its one host sync
+        return entry.out[0][:b].clone(), entry.out[1][:b].clone()
 
     def _replay(self, tokens: torch.Tensor, positions: torch.Tensor, key_len: int,
                 sampler: RowSampler | None, uniforms: torch.Tensor | None) -> _Graph:
