@@ -8,6 +8,10 @@ GPU (random-init Qwen3-0.6B shape, bf16, CUDA graphs)::
 
     python -m palaestra.benchmarks.perf.engine --device cuda --shape qwen3-0.6b --batch 256
 
+``--decode-attention triton`` runs decode attention through the split-KV kernel
+(`palaestra.rollout.engines.decode_attention`) instead of the dense batched GEMMs;
+``--no-graph-sampling`` samples after each graph replay instead of inside the graph.
+
 Sections:
 
 - **throughput**: B prompts of random lengths in ``--prompt-len LO:HI`` each generate
@@ -265,7 +269,10 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     engine = LocalEngine(hf_model=model, device="cuda", dtype=torch.bfloat16,
                          max_running=args.batch, max_model_len=hi + args.new_tokens + 8,
                          max_prefill_tokens=16384, prefix_cache_tokens=0,
-                         cuda_graphs=not args.no_cuda_graphs, decode_steps=args.decode_steps)
+                         cuda_graphs=not args.no_cuda_graphs, decode_steps=args.decode_steps,
+                         decode_attention=args.decode_attention)
+    if engine._graphs is not None:
+        engine._graphs.sample_in_graph = not args.no_graph_sampling
     rows = throughput(engine, model, [args.batch], lo, hi, args.new_tokens, args.repeats,
                       151936, "cuda", run_hf=not args.no_hf)
     row = rows[0]
@@ -275,10 +282,12 @@ def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
                engine_fraction_of_bound=row["engine_decode_tok_s"] / bound,
                weight_bytes=engine.decoder.num_bytes(), kv_bytes_per_token=engine.cache.bytes_per_token,
                cuda_graph_captures=getattr(engine._graphs, "captures", 0),
-               decode_steps=engine.decode_steps)
+               decode_steps=engine.decode_steps, decode_attention=engine.decode_attention,
+               sample_in_graph=bool(engine._graphs and engine._graphs.sample_in_graph))
     if "hf_decode_tok_s" in row:
         row["hf_fraction_of_bound"] = row["hf_decode_tok_s"] / bound
-    print(f"{name}: engine decode {row['engine_decode_tok_s']:.0f} tok/s = "
+    print(f"{name}: engine decode ({engine.decode_attention} attention) "
+          f"{row['engine_decode_tok_s']:.0f} tok/s = "
           f"{100 * row['engine_fraction_of_bound']:.1f}% of the bandwidth bound "
           f"({bound:.0f} tok/s at {peak} GB/s)", flush=True)
     asyncio.run(engine.close())
@@ -356,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--decode-steps", type=int, default=None,
                    help="LocalEngine decode steps per host sync (default: 8 on CUDA, 1 on CPU)")
+    p.add_argument("--decode-attention", default="dense", choices=("dense", "triton", "auto"),
+                   help="GPU: LocalEngine's decode attention (dense GEMMs or the split-KV kernel)")
+    p.add_argument("--no-graph-sampling", action="store_true",
+                   help="GPU: sample after each CUDA graph replay, not inside the graph")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     gpu = args.device == "cuda"

@@ -246,8 +246,8 @@ class LocalEngine:
         the split-KV kernel (`decode_attention`), or a clear error where it cannot run;
         ``auto``: the kernel on CUDA when Triton is here and it agrees with the dense path on a
         small case of this model's heads, else dense. Returns what decode uses. Not the default
-        because it did not measure faster on an H200 in the issue-22 loop (its one program per
-        query head reads a grouped key/value head once per query head)."""
+        until measured: the first kernel (one program per query head) was no faster on an H200;
+        the grouped one (a program per key/value head) awaits its GPU numbers."""
         from palaestra.rollout.engines import decode_attention as split_kv
 
         if choice not in ("auto", "triton", "dense"):
@@ -842,15 +842,25 @@ class LocalEngine:
         pos0 = torch.tensor(positions, device=dev)
         plan = self._sampling_plan(reqs, k)
         out_tokens, out_logprobs = [], []
-        lowrank = self._lora_rows(reqs)  # the captured graphs hold no low-rank updates
+        lowrank = self._lora_rows(reqs)
+        graphs = None if lowrank else self._graphs  # the graphs hold no low-rank updates
+        # sampling inside the graph unless a logit bias or processor must see the logits
+        sampler = plan.sampler if (graphs is not None and graphs.sample_in_graph
+                                   and not plan.biases and not self.logits_processors) else None
         for step in range(k):
             key_len = max(positions) + step + 1
             pos = pos0 + step if step else pos0
-            if self._graphs is not None and not lowrank and self._graphs.supports(b, key_len):
-                logits = self._graphs.run(tokens_dev, pos, key_len)
+            if graphs is not None and graphs.supports(b, key_len, sampler):
+                if sampler is not None:
+                    u = None if plan.uniforms is None else plan.uniforms[step]
+                    tokens_dev, logprobs_dev = graphs.run_sampled(tokens_dev, pos, key_len,
+                                                                  sampler, u)
+                else:
+                    logits = graphs.run(tokens_dev, pos, key_len)
+                    tokens_dev, logprobs_dev = self._sample_device(logits, reqs, plan, step)
             else:
                 logits = self.decoder.decode(tokens_dev, pos, self.cache, key_len)
-            tokens_dev, logprobs_dev = self._sample_device(logits, reqs, plan, step)
+                tokens_dev, logprobs_dev = self._sample_device(logits, reqs, plan, step)
             out_tokens.append(tokens_dev)
             out_logprobs.append(logprobs_dev)
             self.counters["decode_steps"] += 1

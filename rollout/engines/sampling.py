@@ -68,6 +68,40 @@ class RowSampler:
             self.ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks]).to(device)
             self.ps = torch.tensor(list(top_ps), dtype=dtype).to(device)
 
+    @property
+    def structure(self) -> tuple[bool, bool, bool]:
+        """What decides which kernels `sample` launches (a captured graph holds one of them)."""
+        return self.all_greedy, self.any_greedy, self.needs_filter
+
+    def static_copy(self, rows: int) -> RowSampler:
+        """A sampler of this one's `structure` over ``rows`` (>= its own) rows whose tensors are
+        its own buffers, the static inputs of a CUDA graph that samples inside it; `load` fills
+        them. Rows never loaded keep neutral settings (T = 1, no top-k/top-p, greedy where the
+        structure has greedy rows): padding rows of a graph sample harmlessly."""
+        import copy
+
+        import torch
+
+        out = copy.copy(self)
+        dev = self.temps.device
+        out.temps = torch.ones(rows, dtype=self.temps.dtype, device=dev)
+        if self.greedy_mask is not None:
+            out.greedy_mask = torch.ones(rows, dtype=torch.bool, device=dev)
+        if self.ks is not None and self.ps is not None:
+            out.ks = torch.full((rows,), self.vocab, dtype=self.ks.dtype, device=dev)
+            out.ps = torch.ones(rows, dtype=self.ps.dtype, device=dev)
+        return out
+
+    def load(self, batch: RowSampler) -> None:
+        """Copy the per-row settings of ``batch`` (same `structure`, at most as many rows) into
+        the first rows of this `static_copy`."""
+        b = batch.temps.shape[0]
+        self.temps[:b].copy_(batch.temps)
+        for mine, theirs in ((self.greedy_mask, batch.greedy_mask), (self.ks, batch.ks),
+                             (self.ps, batch.ps)):
+            if mine is not None and theirs is not None:
+                mine[:b].copy_(theirs)
+
     def sample(self, logits: torch.Tensor, uniforms: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """One token per row of ``logits`` ``[B, V]`` (float32); returns (tokens, logprobs).
