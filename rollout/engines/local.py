@@ -151,7 +151,7 @@ class LocalEngine:
         decode_steps: int | None = None,
         tokenizer: Any = None,
         lora_mode: str = "merged",
-        decode_attention: str = "dense",
+        decode_attention: str = "auto",
     ) -> None:
         import torch
 
@@ -242,12 +242,11 @@ class LocalEngine:
         self.timers: dict[str, float] = dict.fromkeys(("prefill_s", "decode_s", "active_s"), 0.0)
 
     def _choose_decode_attention(self, choice: str) -> str:
-        """``dense`` (the default): the batched GEMMs over the padded key length; ``triton``:
-        the split-KV kernel (`decode_attention`), or a clear error where it cannot run;
-        ``auto``: the kernel on CUDA when Triton is here and it agrees with the dense path on a
-        small case of this model's heads, else dense. Returns what decode uses. Not the default
-        until measured: the first kernel (one program per query head) was no faster on an H200;
-        the grouped one (a program per key/value head) awaits its GPU numbers."""
+        """``dense``: the batched GEMMs over the padded key length; ``triton``: the split-KV
+        kernel (`decode_attention`), or a clear error where it cannot run; ``auto`` (the
+        default): the kernel on CUDA when Triton is here and it agrees with the dense path on a
+        small case of this model's heads, else dense. Returns what decode uses. The grouped
+        kernel measured 1.9-2.2x the dense path per call on an H200 (docs/results.md)."""
         from palaestra.rollout.engines import decode_attention as split_kv
 
         if choice not in ("auto", "triton", "dense"):
