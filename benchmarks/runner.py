@@ -23,7 +23,7 @@ from palaestra.benchmarks.registry import Benchmark, get_benchmark
 from palaestra.benchmarks.store import SampleKey, SampleStore, check_run_meta, key_of, light
 from palaestra.benchmarks.summary import summarize, write_summary
 from palaestra.errors import ConfigError, EngineError
-from palaestra.rollout.engines.base import SamplingParams
+from palaestra.engines.base import SamplingParams
 from palaestra.rollout.episode import EpisodeRequest, Player
 from palaestra.types import StopReason, Trajectory
 

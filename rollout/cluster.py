@@ -19,7 +19,7 @@ from typing import Any
 
 from palaestra.errors import ConfigError, MissingExtraError
 from palaestra.rollout.config import WorkerConfig
-from palaestra.rollout.engines.base import Engine
+from palaestra.engines.base import Engine
 from palaestra.rollout.inflight import SavedGroup
 from palaestra.rollout.worker import GroupResult, GroupTask, PauseReport, RolloutWorker
 

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from palaestra.errors import ConfigError, EngineError, MissingExtraError, PalaestraError
-from palaestra.rollout.engines.sglang import SGLangEngine
+from palaestra.engines.clients.sglang import SGLangEngine
 
 if TYPE_CHECKING:
     from palaestra.rollout.placement import RunPlan
@@ -72,7 +72,7 @@ def server_argv(launch: EngineLaunch, *, host: str, port: int, gpus: int) -> lis
             if "--mem-fraction-static" not in launch.extra_args:
                 cmd += ["--mem-fraction-static", str(launch.mem_fraction_static)]
         return cmd + list(launch.extra_args)
-    from palaestra.rollout.engines.serve import serve_argv
+    from palaestra.engines.serve.serve import serve_argv
 
     return serve_argv(launch.model_path, port=port, host=host,
                       device="cuda" if gpus else "cpu", extra=launch.extra_args)
@@ -106,7 +106,7 @@ class EngineActor:
         """Start the server; its URL (and pids, node) once ``/health`` answers."""
         import ray
 
-        from palaestra.rollout.engines.weight_transfer import free_port
+        from palaestra.engines.weights.weight_transfer import free_port
 
         launch = self.launch
         if launch.server == "sglang" and importlib.util.find_spec("sglang") is None:

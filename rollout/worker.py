@@ -27,7 +27,7 @@ from typing import Any
 
 from palaestra.rollout.branching import Branching
 from palaestra.rollout.config import WorkerConfig
-from palaestra.rollout.engines.base import Engine
+from palaestra.engines.base import Engine
 from palaestra.rollout.episode import EpisodeState, run_episode
 from palaestra.rollout.gate import GatedEngine, GcTuning
 from palaestra.types import StopReason, Trajectory
@@ -341,8 +341,8 @@ class RolloutWorker:
         drained requests: ``finished`` and ``retried``."""
         spec = self.config.engine
         self.config = replace(self.config, engine=replace(spec, urls=tuple(urls)))
-        from palaestra.rollout.engines.router import Router
-        from palaestra.rollout.engines.sglang import SGLangClient
+        from palaestra.engines.clients.router import Router
+        from palaestra.engines.clients.sglang import SGLangClient
 
         router = self._engine
         out = {"finished": 0.0, "retried": 0.0}

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from palaestra.agents import AgentSpec
     from palaestra.contracts import TrainerBackend
-    from palaestra.rollout.engines import LocalEngine
-    from palaestra.rollout.engines.sglang import SGLangEngine
+    from palaestra.engines import LocalEngine
+    from palaestra.engines.clients.sglang import SGLangEngine
     from palaestra.rollout.placement import RunPlan
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
@@ -50,7 +50,7 @@ def build_engine(engine: EngineSection, model_path: Path, *, max_model_len: int,
 
         launched: SGLangEngine = launched_engine(engine, model_path, servers_dir)
         return launched
-    from palaestra.rollout.engines import LocalEngine
+    from palaestra.engines import LocalEngine
 
     return LocalEngine(
         model_path,

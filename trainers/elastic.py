@@ -46,7 +46,7 @@ from palaestra.errors import ConfigError, EngineError, PalaestraError
 if TYPE_CHECKING:
     from palaestra.contracts import WeightSource
     from palaestra.rollout.engine_actors import EngineGroup
-    from palaestra.rollout.engines.router import Router
+    from palaestra.engines.clients.router import Router
     from palaestra.rollout.manager import RolloutManager
     from palaestra.trainers.engine_sync import EngineSync
 
@@ -109,7 +109,7 @@ class ElasticEngines:
     # ------------------------------------------------------------------------ router
     def router(self) -> Router:
         """The engine's `Router` (an engine of one server gets one, so it can grow)."""
-        from palaestra.rollout.engines.router import Router
+        from palaestra.engines.clients.router import Router
 
         target = self.engine._engine()  # raises unless started
         if not isinstance(target, Router):
@@ -131,7 +131,7 @@ class ElasticEngines:
         return await self._add(url, actor=False)
 
     async def _add(self, url: str, *, actor: bool) -> dict[str, Any]:
-        from palaestra.rollout.engines.sglang import SGLangClient
+        from palaestra.engines.clients.sglang import SGLangClient
 
         client = SGLangClient(url, **self._client_kw)
         try:

@@ -27,9 +27,9 @@ from palaestra.errors import ConfigError
 if TYPE_CHECKING:
     from palaestra.contracts import WeightSource
     from palaestra.engine import Engine
-    from palaestra.rollout.engines import LocalEngine
-    from palaestra.rollout.engines.sglang import SGLangClient, SGLangEngine
-    from palaestra.rollout.engines.weight_transfer import TransferStats
+    from palaestra.engines import LocalEngine
+    from palaestra.engines.clients.sglang import SGLangClient, SGLangEngine
+    from palaestra.engines.weights.weight_transfer import TransferStats
     from palaestra.trainers.config import EngineSection
     from palaestra.trainers.group.push import EnginePushSpec
 
@@ -45,7 +45,7 @@ def resolve_method(engine: EngineSection, *, colocate: bool = False) -> str:
         return "in_process"
     import torch
 
-    from palaestra.rollout.engines.weight_transfer import on_this_host
+    from palaestra.engines.weights.weight_transfer import on_this_host
 
     if not torch.cuda.is_available():
         return "disk"
@@ -56,7 +56,7 @@ def resolve_method(engine: EngineSection, *, colocate: bool = False) -> str:
 
 def _servers(engine: LocalEngine | SGLangEngine, method: str) -> list[SGLangClient]:
     """The server clients a sender of ``method`` pushes to (SGLang servers only)."""
-    from palaestra.rollout.engines.sglang import SGLangEngine
+    from palaestra.engines.clients.sglang import SGLangEngine
 
     if not isinstance(engine, SGLangEngine):
         raise ConfigError(f"engine.weight_sync.kind = {method!r} needs SGLang servers "
@@ -94,7 +94,7 @@ class EngineSync:
         pick ``ipc``)."""
         import torch
 
-        from palaestra.rollout.engines.weight_transfer import (
+        from palaestra.engines.weights.weight_transfer import (
             DiskWeightSender,
             DistributedWeightSender,
             IpcWeightSender,
@@ -136,7 +136,7 @@ class EngineSync:
 
     async def push_now(self, backend: WeightSource, version: int) -> TransferStats:
         """Move the weights now (generation should be paused) and time it."""
-        from palaestra.rollout.engines.weight_transfer import TransferStats
+        from palaestra.engines.weights.weight_transfer import TransferStats
 
         if self.lora_servers and getattr(backend, "lora", None) is not None \
                 and not hasattr(self.engine, "update_adapter"):
@@ -186,7 +186,7 @@ class EngineSync:
 
     def push_spec(self) -> EnginePushSpec:
         """This sync's path as a trainer group's rank 0 takes it (see the module doc)."""
-        from palaestra.rollout.engines.weight_transfer import (
+        from palaestra.engines.weights.weight_transfer import (
             DiskWeightSender,
             DistributedWeightSender,
             IpcWeightSender,
@@ -216,7 +216,7 @@ class EngineSync:
                                ) -> TransferStats:
         """Rank 0 of ``backend`` pushes ``version`` (to ``client`` alone: a joining server);
         then the servers' versions are read back."""
-        from palaestra.rollout.engines.weight_transfer import DistributedWeightSender
+        from palaestra.engines.weights.weight_transfer import DistributedWeightSender
 
         if isinstance(self.sender, DistributedWeightSender):
             await self.sender.close()  # one weight-update group at a time (a fixed port)
@@ -239,7 +239,7 @@ class EngineSync:
         and unload the previous version. The servers must see this machine's disk."""
         import shutil
 
-        from palaestra.rollout.engines.weight_transfer import TransferStats
+        from palaestra.engines.weights.weight_transfer import TransferStats
 
         if self.adapter_dir is None or not hasattr(self.engine, "load_lora_adapter"):
             raise ConfigError("LoRA to servers needs an engine with /load_lora_adapter "
@@ -268,8 +268,8 @@ class EngineSync:
         """Load a Hugging Face checkpoint folder into the engines (e.g. the warm-started policy):
         by path for the embedded engine, through the sender for servers, which may not see
         this machine's disk."""
-        from palaestra.rollout.engines.model import iter_safetensors, safetensors_files
-        from palaestra.rollout.engines.weight_transfer import bucketize
+        from palaestra.engines.local.model import iter_safetensors, safetensors_files
+        from palaestra.engines.weights.weight_transfer import bucketize
 
         if self.sender is None:
             await self.engine.update_weights(path=str(path), version=version)
@@ -283,7 +283,7 @@ class EngineSync:
         """The current weights to one more server only (an engine joining a running run), by
         the run's path: a weight-update group of that server alone, a disk version, or HTTP
         tensors. The run's own sender is not touched (see `set_clients`)."""
-        from palaestra.rollout.engines.weight_transfer import (
+        from palaestra.engines.weights.weight_transfer import (
             DiskWeightSender,
             DistributedWeightSender,
             IpcWeightSender,
@@ -324,7 +324,7 @@ class EngineSync:
     async def set_clients(self, clients: list[Any]) -> None:
         """The servers later pushes go to (engines joined or left the run). A weight-update
         group is torn down and forms again over them at the next push."""
-        from palaestra.rollout.engines.weight_transfer import DistributedWeightSender
+        from palaestra.engines.weights.weight_transfer import DistributedWeightSender
 
         if self.sender is None:
             return
@@ -352,7 +352,7 @@ class EngineSync:
 
 @dataclass(frozen=True)
 class BackendWeights:
-    """A `palaestra.rollout.weight_push.WeightPush`: the training backend's current weights
+    """A `palaestra.engines.weights.push.WeightPush`: the training backend's current weights
     through the run's sync path."""
 
     sync: EngineSync

@@ -49,13 +49,13 @@ if TYPE_CHECKING:
     from palaestra.contracts import TrainerBackend
     from palaestra.engine import Engine
     from palaestra.evaluation import TrainingEvaluation
-    from palaestra.rollout.engines import LocalEngine
-    from palaestra.rollout.engines.serve import RunningServer
-    from palaestra.rollout.engines.sglang import SGLangEngine
+    from palaestra.engines import LocalEngine
+    from palaestra.engines.serve.serve import RunningServer
+    from palaestra.engines.clients.sglang import SGLangEngine
     from palaestra.rollout.manager import RolloutBatch, RolloutManager
     from palaestra.rollout.placement import RunPlan
     from palaestra.rollout.rewards.worker import RewardClient
-    from palaestra.rollout.weight_push import WeightPush
+    from palaestra.engines.weights.push import WeightPush
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.elastic import AdminServer, ElasticEngines
@@ -219,7 +219,7 @@ class RLRun:
                     engine: LocalEngine | SGLangEngine, sync: EngineSync) -> RLRun:
         """The backend, the critic, the tasks, the engines as workers see them, the manager."""
         from palaestra.rollout import DataSource, EngineSpec, RolloutManager, WorkerConfig
-        from palaestra.rollout.engines.sglang import SGLangEngine
+        from palaestra.engines.clients.sglang import SGLangEngine
         from palaestra.trainers.run_engines import trainer_placement_group
 
         r = cfg.rollout
@@ -237,7 +237,7 @@ class RLRun:
         elif isinstance(engine, SGLangEngine):  # engine.kind = "sglang": Ray workers attach
             engine_spec, live_engine = EngineSpec.http([c.url for c in engine.clients]), None
         else:  # the embedded engine served over loopback HTTP to Ray workers
-            from palaestra.rollout.engines.serve import start_server
+            from palaestra.engines.serve.serve import start_server
 
             server = await start_server(engine, port=0)
             engine_spec = EngineSpec.http([server.url])
@@ -677,7 +677,7 @@ async def _train(cfg: TrainConfig, run: RunDir) -> dict[str, Any]:
                                      seed=cfg.seed, servers_dir=Path(cfg.out) / "servers"))
         sync: EngineSync | None = None
         try:
-            from palaestra.rollout.engines.sglang import SGLangEngine
+            from palaestra.engines.clients.sglang import SGLangEngine
 
             if isinstance(engine, SGLangEngine):  # engine.kind = "sglang": attach / launch
                 await engine.start()

@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from palaestra.rollout.engines.sglang import SGLangServerConfig
+    from palaestra.engines.clients.sglang import SGLangServerConfig
     from palaestra.trainers.config import EngineSection
 
 
 def server_configs(engine: EngineSection, model_path: Path) -> list[SGLangServerConfig]:
     """The launch configs of ``engine`` for the checkpoint at ``model_path``."""
-    from palaestra.rollout.engines.sglang import SGLangServerConfig
-    from palaestra.rollout.engines.weight_transfer import free_port
+    from palaestra.engines.clients.sglang import SGLangServerConfig
+    from palaestra.engines.weights.weight_transfer import free_port
 
     gpus = list(engine.launch_gpus)
     tp = engine.launch_tp
@@ -32,7 +32,7 @@ def server_configs(engine: EngineSection, model_path: Path) -> list[SGLangServer
 
 def palaestra_serve_argv(cfg: SGLangServerConfig) -> list[str]:
     """``palaestra serve`` for one launch config (CUDA when the config has GPUs, else CPU)."""
-    from palaestra.rollout.engines.serve import serve_argv
+    from palaestra.engines.serve.serve import serve_argv
 
     return serve_argv(cfg.model_path, port=cfg.port, host=cfg.host,
                       device="cuda" if cfg.gpu_ids else "cpu", extra=cfg.extra_args)
@@ -40,7 +40,7 @@ def palaestra_serve_argv(cfg: SGLangServerConfig) -> list[str]:
 
 def launched_engine(engine: EngineSection, model_path: Path, log_dir: Path) -> Any:
     """An `SGLangEngine` over ``engine.urls`` plus the servers ``engine.launch`` starts."""
-    from palaestra.rollout.engines.sglang import SGLangEngine
+    from palaestra.engines.clients.sglang import SGLangEngine
 
     servers = server_configs(engine, model_path) if engine.launch != "none" else []
     launcher = palaestra_serve_argv if engine.launch == "palaestra" else None

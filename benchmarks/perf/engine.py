@@ -61,7 +61,7 @@ def _best(fn: Any, repeats: int) -> float:
 
 # ----------------------------------------------------------------------------------- engines
 def _engine_run(engine: Any, prompts: list[list[int]], new_tokens: int) -> float:
-    from palaestra.rollout.engines.base import SamplingParams
+    from palaestra.engines.base import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
 
@@ -174,7 +174,7 @@ def _episode_tokens(tokenizer: Any) -> tuple[list[int], list[list[int]]]:
 
 def multi_turn(engine: Any, hf: Any, tokenizer: Any, episodes: int, turn_tokens: int,
                repeats: int) -> dict[str, Any]:
-    from palaestra.rollout.engines.base import SamplingParams
+    from palaestra.engines.base import SamplingParams
 
     first, deltas = _episode_tokens(tokenizer)
     turns = len(deltas) + 1
@@ -256,7 +256,7 @@ def bandwidth_bound(engine: Any, batch: int, prompt_tokens: int, new_tokens: int
 def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from palaestra.rollout.engines.local import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
 
     name = torch.cuda.get_device_name()
     peak = args.peak_bw_gbs or next((v for k, v in PEAK_BW_GBS.items() if k in name), None)
@@ -290,7 +290,7 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from palaestra.rollout.engines.local import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
     from palaestra.tiny_model import build_model
 
     torch.set_num_threads(args.threads)

@@ -12,8 +12,8 @@ from palaestra.engine import Engine, Generation, SamplingParams
 
 
 def test_old_engine_paths_name_the_core_contract() -> None:
-    from palaestra.rollout import engines
-    from palaestra.rollout.engines import base
+    from palaestra import engines
+    from palaestra.engines import base
 
     for name in ("Engine", "Generation", "SamplingParams", "EngineUnavailableError"):
         assert getattr(base, name) is getattr(engines, name)
@@ -23,7 +23,7 @@ def test_old_engine_paths_name_the_core_contract() -> None:
 
 def test_engines_and_envs_satisfy_their_protocols() -> None:
     from palaestra.envs import make
-    from palaestra.rollout.engines import ScriptedEngine
+    from palaestra.engines import ScriptedEngine
 
     engine = ScriptedEngine([1, 2, 3])
     assert isinstance(engine, Engine)

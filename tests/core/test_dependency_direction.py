@@ -19,11 +19,12 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "palaestra"
 
 #: rank of each layer: a module may depend on layers of lower or equal rank
-RANK = {"core": 0, "sandbox": 1, "envs": 2, "agents": 3, "rollout": 4, "trainers": 5,
-        "benchmarks": 6}
+RANK = {"core": 0, "engines": 1, "sandbox": 1, "envs": 2, "agents": 3, "rollout": 4,
+        "trainers": 5, "benchmarks": 6}
 COMPONENTS = tuple(c for c in RANK if c != "core")
 #: (importer layer, imported layer) pairs refused even though the rank allows them
-FORBIDDEN = {("trainers", "envs"), ("trainers", "benchmarks")}
+FORBIDDEN = {("trainers", "envs"), ("trainers", "benchmarks"), ("engines", "sandbox"),
+             ("sandbox", "engines")}
 
 #: (file relative to the repo root, imported module prefix): reason. Keep this list short.
 ALLOWED: dict[tuple[str, str], str] = {

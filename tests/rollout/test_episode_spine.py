@@ -9,7 +9,7 @@ import pytest
 
 from palaestra.envs.calculator import CalculatorEnv
 from palaestra.episode_info import EnvInfoError, EpisodeKind, ResetInfo, StepInfo
-from palaestra.rollout.engines.base import SamplingParams
+from palaestra.engines.base import SamplingParams
 from palaestra.rollout.episode import RUNNERS, EpisodeRequest, TokenPlayer, play_episode
 from palaestra.types import Message, StopReason, ToolCall
 

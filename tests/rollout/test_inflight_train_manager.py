@@ -22,8 +22,8 @@ def _wc(tokenizer_dir: str):
 
     from palaestra.agents import AgentSpec
     from palaestra.rollout import EngineSpec, WorkerConfig
-    from palaestra.rollout.engines.base import SamplingParams
-    from palaestra.rollout.engines.scripted import ScriptedEngine
+    from palaestra.engines.base import SamplingParams
+    from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy
 
     class LoggingEngine(ScriptedEngine):

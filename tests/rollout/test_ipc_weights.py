@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from palaestra.errors import ConfigError, EngineError
-from palaestra.rollout.engines.base import SamplingParams
+from palaestra.engines.base import SamplingParams
 
 torch.set_num_threads(1)
 PROMPT = [3, 17, 29, 41, 5, 8]
@@ -60,7 +60,7 @@ def _new_weights(model: Path, seed: int) -> dict[str, torch.Tensor]:
 
 
 async def _greedy_of(model: Path, weights: dict[str, torch.Tensor]) -> Any:
-    from palaestra.rollout.engines.local import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
 
     engine = LocalEngine(str(model), device="cpu", max_running=2)
     try:
@@ -71,8 +71,8 @@ async def _greedy_of(model: Path, weights: dict[str, torch.Tensor]) -> Any:
 
 
 async def test_ipc_buckets_reach_a_real_server_exactly(model: Path, server: str) -> None:
-    from palaestra.rollout.engines.sglang import SGLangClient
-    from palaestra.rollout.engines.weight_transfer import IpcWeightSender, bucketize
+    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.weights.weight_transfer import IpcWeightSender, bucketize
 
     weights = _new_weights(model, seed=11)
     client = SGLangClient(server, retries=0)
@@ -99,7 +99,7 @@ async def test_ipc_buckets_reach_a_real_server_exactly(model: Path, server: str)
 
 async def test_sglang_client_tensor_format_sglang_speaks_the_same_handles(model: Path,
                                                                           server: str) -> None:
-    from palaestra.rollout.engines.sglang import SGLangClient
+    from palaestra.engines.clients.sglang import SGLangClient
 
     weights = _new_weights(model, seed=12)
     client = SGLangClient(server, retries=0, tensor_format="sglang")
@@ -115,8 +115,8 @@ async def test_sglang_client_tensor_format_sglang_speaks_the_same_handles(model:
 def test_body_and_payload_are_sglangs() -> None:
     """The body passes SGLang's field table; the payload is a torch multiprocessing pickle that a
     plain ``pickle.loads`` in another process (SGLang's deserialiser) turns into the pairs."""
-    from palaestra.rollout.engines import sglang_protocol as sp
-    from palaestra.rollout.engines.ipc_payload import encode_ipc_named_tensors
+    from palaestra.engines.serve import sglang_protocol as sp
+    from palaestra.engines.weights.ipc_payload import encode_ipc_named_tensors
 
     pairs = [("a.weight", torch.randn(4, 3)), ("b.bias", torch.arange(5, dtype=torch.int64))]
     payload, alive = encode_ipc_named_tensors(pairs)
@@ -162,7 +162,7 @@ def _fd_payload() -> str:
 ])
 async def test_bad_payloads_are_refused_by_the_server(server: str, payload: str,
                                                       message: str) -> None:
-    from palaestra.rollout.engines.sglang import SGLangClient
+    from palaestra.engines.clients.sglang import SGLangClient
 
     client = SGLangClient(server, retries=0)
     try:
@@ -174,7 +174,7 @@ async def test_bad_payloads_are_refused_by_the_server(server: str, payload: str,
 
 
 async def test_file_descriptor_payload_is_refused_with_the_fix(server: str) -> None:
-    from palaestra.rollout.engines.sglang import SGLangClient
+    from palaestra.engines.clients.sglang import SGLangClient
 
     client = SGLangClient(server, retries=0)
     try:
@@ -186,8 +186,8 @@ async def test_file_descriptor_payload_is_refused_with_the_fix(server: str) -> N
 
 async def test_servers_elsewhere_and_bad_config_are_refused() -> None:
     from palaestra.config import validate
-    from palaestra.rollout.engines.sglang import SGLangClient
-    from palaestra.rollout.engines.weight_transfer import IpcWeightSender, on_this_host
+    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.weights.weight_transfer import IpcWeightSender, on_this_host
     from palaestra.trainers.config import IpcSync, TrainConfig
     from palaestra.trainers.engine_sync import resolve_method
 
@@ -217,8 +217,8 @@ async def test_engine_sync_ipc_from_a_torch_backend(model: Path, server: str,
     """``[engine.weight_sync] kind = "ipc"`` end to end: `EngineSync` pushes a real
     `TorchBackend`'s weights (changed as a step would) in small buckets to the server."""
     from palaestra.config import validate
-    from palaestra.rollout.engines.sglang import SGLangEngine
-    from palaestra.rollout.engines.weight_transfer import IpcWeightSender
+    from palaestra.engines.clients.sglang import SGLangEngine
+    from palaestra.engines.weights.weight_transfer import IpcWeightSender
     from palaestra.trainers.config import TrainConfig
     from palaestra.trainers.engine_sync import EngineSync
     from palaestra.trainers.torch_backend.backend import TorchBackend

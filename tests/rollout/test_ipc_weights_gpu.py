@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from palaestra.rollout.engines.base import SamplingParams
+from palaestra.engines.base import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,10 +49,10 @@ async def test_ipc_push_to_a_colocated_server(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     from palaestra.benchmarks.perf.weight_sync import build_checkpoint
-    from palaestra.rollout.engines.local import LocalEngine
-    from palaestra.rollout.engines.serve import serve_process
-    from palaestra.rollout.engines.sglang import SGLangClient
-    from palaestra.rollout.engines.weight_transfer import IpcWeightSender, bucketize
+    from palaestra.engines.local.local import LocalEngine
+    from palaestra.engines.serve.serve import serve_process
+    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.weights.weight_transfer import IpcWeightSender, bucketize
 
     model = build_checkpoint("0.6b", tmp_path / "model")
     weights: dict[str, torch.Tensor] = {}

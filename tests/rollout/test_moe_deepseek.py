@@ -12,10 +12,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from palaestra.rollout.engines.base import SamplingParams
-from palaestra.rollout.engines.deepseek import MLADecoder
-from palaestra.rollout.engines.local import LocalEngine
-from palaestra.rollout.engines.model import Decoder
+from palaestra.engines.base import SamplingParams
+from palaestra.engines.local.deepseek import MLADecoder
+from palaestra.engines.local.local import LocalEngine
+from palaestra.engines.local.model import Decoder
 
 TINY = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -115,7 +115,7 @@ async def test_engine_greedy_and_routes_match_hf() -> None:
 def test_moving_and_sizing_cover_every_mla_weight() -> None:
     """`Decoder.to_device` / `num_bytes` walk the layer's own slots (MLA layers have other ones)
     and re-index the weights, reshaped MLA views included."""
-    from palaestra.rollout.engines.deepseek import _SLOTS
+    from palaestra.engines.local.deepseek import _SLOTS
 
     dec = Decoder.from_hf_model(_hf(seed=2))
     tensors = {id(t): t for t in (dec.embed, dec.lm_head, dec.final_norm)}

@@ -12,10 +12,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from palaestra.rollout.engines.base import SamplingParams
-from palaestra.rollout.engines.local import LocalEngine
-from palaestra.rollout.engines.model import Decoder
-from palaestra.rollout.engines.moe import NO_EXPERT, MoEConfig
+from palaestra.engines.base import SamplingParams
+from palaestra.engines.local.local import LocalEngine
+from palaestra.engines.local.model import Decoder
+from palaestra.engines.local.moe import NO_EXPERT, MoEConfig
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
@@ -168,8 +168,8 @@ async def test_server_returns_sglang_routed_experts(moe_tiny_dir: str, model_dir
     """Our /generate speaks SGLang's return_routed_experts; SGLangClient decodes it."""
     import aiohttp
 
-    from palaestra.rollout.engines.serve import start_server
-    from palaestra.rollout.engines.sglang import SGLangClient
+    from palaestra.engines.serve.serve import start_server
+    from palaestra.engines.clients.sglang import SGLangClient
 
     engine = LocalEngine(moe_tiny_dir, device="cpu")
     server = await start_server(engine)

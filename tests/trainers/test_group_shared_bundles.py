@@ -97,7 +97,7 @@ def _bundle_free(pg_id: str) -> dict[int, tuple[float, float]]:
 
 async def test_group_ranks_start_on_the_engines_bundles(ray_local, micro_model, tmp_path):
     from palaestra.rollout.engine_actors import EngineGroup, EngineLaunch
-    from palaestra.rollout.engines.sglang import SGLangClient
+    from palaestra.engines.clients.sglang import SGLangClient
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.group.group import TrainerGroup
@@ -258,7 +258,7 @@ async def test_an_engine_and_a_rank_share_one_gpu_bundle_gpu(micro_model, tmp_pa
     trains on CUDA beside it."""
     from palaestra.engine import SamplingParams
     from palaestra.rollout.engine_actors import ActorEngine, EngineGroup, EngineLaunch
-    from palaestra.rollout.engines.sglang import SGLangClient
+    from palaestra.engines.clients.sglang import SGLangClient
     from palaestra.trainers.group.group import TrainerGroup
     from palaestra.trainers.torch_backend import TorchBackendConfig
 

@@ -274,8 +274,8 @@ def test_grpo_against_a_separate_server_process(tmp_path, micro_model, yes_env, 
     import torch
     from safetensors.torch import load_file
 
-    from palaestra.rollout.engines.serve import serve_process
-    from palaestra.rollout.engines.sglang import SGLangClient
+    from palaestra.engines.serve.serve import serve_process
+    from palaestra.engines.clients.sglang import SGLangClient
     from palaestra.trainers.loop import train
 
     demos = tmp_path / "demos.jsonl"  # a short warm start: its policy reaches the server too

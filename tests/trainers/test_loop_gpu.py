@@ -76,8 +76,8 @@ def test_megatron_backend_in_the_loop(tmp_path):
 def test_disaggregated_trainer_and_server_over_nccl(tmp_path):
     from safetensors.torch import load_file
 
-    from palaestra.rollout.engines.serve import serve_process
-    from palaestra.rollout.engines.sglang import SGLangClient
+    from palaestra.engines.serve.serve import serve_process
+    from palaestra.engines.clients.sglang import SGLangClient
     from palaestra.tiny_model import build_model
     from palaestra.trainers.loop import train
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from palaestra.rollout.weight_push import WeightPush
+    from palaestra.engines.weights.push import WeightPush
 
 GIB = 1024**3
 
