@@ -16,9 +16,10 @@ are not wrapped as Ray actors: the HTTP path is the one SGLang needs anyway, and
 updates, aborts and failover in one place.
 
 Modules: `episode` (the loop), `data` (data source), `groups` (filters), `worker` / `cluster` /
-`manager` (scale-out and batches), `tool_cache` (record/replay), `metrics`, `placement` (GPU
-plans), `config`, `testing` (scripted policies and faulty envs for tests and benchmarks). Samples
-become tensors in `palaestra.trainers.batching` (DP balance, micro-batches).
+`manager` (scale-out and batches), `tool_cache` (record/replay), `metrics`, `config`, `testing`
+(scripted policies and faulty envs for tests and benchmarks). GPU placement plans live in
+`palaestra.run.placement`. Samples become tensors in `palaestra.trainers.batching` (DP balance,
+micro-batches).
 """
 
 from __future__ import annotations
@@ -81,15 +82,6 @@ if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr_
     from palaestra.rollout.metrics import (
         summarize as summarize,
     )
-    from palaestra.rollout.placement import (
-        PlacementConfig as PlacementConfig,
-    )
-    from palaestra.rollout.placement import (
-        PlacementPlan as PlacementPlan,
-    )
-    from palaestra.rollout.placement import (
-        plan_placement as plan_placement,
-    )
     from palaestra.rollout.tool_cache import (
         ToolCache as ToolCache,
     )
@@ -125,9 +117,6 @@ _EXPORTS = {
     "GroupResult": "palaestra.rollout.worker",
     "ToolCache": "palaestra.rollout.tool_cache",
     "summarize": "palaestra.rollout.metrics",
-    "plan_placement": "palaestra.rollout.placement",
-    "PlacementPlan": "palaestra.rollout.placement",
-    "PlacementConfig": "palaestra.rollout.placement",
     "WorkerPool": "palaestra.rollout.cluster",
 }
 
@@ -139,8 +128,6 @@ __all__ = [
     "GroupFilter",
     "GroupResult",
     "GroupTask",
-    "PlacementConfig",
-    "PlacementPlan",
     "RolloutBatch",
     "RolloutConfig",
     "RolloutManager",
@@ -153,7 +140,6 @@ __all__ = [
     "judge_group",
     "load_rows",
     "nonzero_variance",
-    "plan_placement",
     "play_episode",
     "run_episode",
     "summarize",

@@ -233,7 +233,7 @@ def gpu_model(shape: str) -> Any:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from palaestra.trainers.dry_run import NAMED_SHAPES
+    from palaestra.run.dry_run import NAMED_SHAPES
 
     card = {k: v for k, v in NAMED_SHAPES[shape].items() if k != "model_type"}
     config = Qwen3Config(**card, eos_token_id=151645, pad_token_id=151643)

@@ -300,8 +300,8 @@ def test_short_grpo_run_on_a_real_mcp_server(tmp_path, tokenizer_dir, monkeypatc
     """Two GRPO steps of the real training loop; every episode starts a sandboxed notes server
     (the task's setup call), and its reward is read back from that server."""
     from palaestra.config import load_config
-    from palaestra.trainers.config import TrainConfig
-    from palaestra.trainers.loop import train
+    from palaestra.run.config import TrainConfig
+    from palaestra.run.loop import train
 
     (tmp_path / "mcp_train_reward.py").write_text(TRAIN_REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))

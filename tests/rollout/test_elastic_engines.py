@@ -126,7 +126,7 @@ def test_an_engine_joins_a_running_run_and_one_drains_out(tmp_path, micro_model,
 
     from palaestra.errors import ConfigError, EngineError
     from palaestra.engines.clients.sglang import SGLangClient
-    from palaestra.trainers.engines_cli import call
+    from palaestra.run.engines_cli import call
 
     a, b = servers
     steps = 4
@@ -269,8 +269,8 @@ async def test_an_engine_of_another_model_is_refused(tmp_path, servers):
     from palaestra.engines.clients.sglang import SGLangEngine
     from palaestra.engines.weights.weight_transfer import DiskWeightSender
     from palaestra.tiny_model import build_model
-    from palaestra.trainers.elastic import ElasticEngines
-    from palaestra.trainers.engine_sync import EngineSync
+    from palaestra.run.elastic import ElasticEngines
+    from palaestra.run.engine_sync import EngineSync
 
     a, b = servers
     policy = build_model(tmp_path / "tiny", "tiny")

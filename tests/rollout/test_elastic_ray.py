@@ -72,7 +72,7 @@ def test_engines_add_gpus_0_and_remove_with_ray_workers(tmp_path, micro_model):
     engine: it joins at the first boundary after the hold, with steps left to serve and drain."""
     import threading
 
-    from palaestra.trainers.engines_cli import call
+    from palaestra.run.engines_cli import call
 
     steps = 6
     config = run_config(tmp_path, micro_model, steps=steps, engines=1, cluster="ray")
@@ -148,7 +148,7 @@ def test_engines_add_gpus_0_and_remove_with_ray_workers(tmp_path, micro_model):
 
 def test_engines_add_takes_a_url_or_gpus(tmp_path):
     from palaestra.errors import ConfigError
-    from palaestra.trainers.engines_cli import call
+    from palaestra.run.engines_cli import call
 
     with pytest.raises(ConfigError, match="an engine URL or --gpus N"):
         call(tmp_path, "add")

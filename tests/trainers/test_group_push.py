@@ -21,10 +21,10 @@ import torch
 
 from palaestra.config import validate
 from palaestra.engines.base import SamplingParams
-from palaestra.rollout.placement import PlacementSection, plan_run
+from palaestra.run.placement import PlacementSection, plan_run
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.batching import TrainBatch
-from palaestra.trainers.config import TrainConfig
+from palaestra.run.config import TrainConfig
 
 torch.set_num_threads(1)
 ray = pytest.importorskip("ray")
@@ -72,7 +72,7 @@ def ray_local():
 
 def _sync(url: str, tmp_path: Path, model: Path, kind: str):
     from palaestra.engines.clients.sglang import SGLangEngine
-    from palaestra.trainers.engine_sync import EngineSync
+    from palaestra.run.engine_sync import EngineSync
 
     settings: dict = {"kind": kind}
     if kind == "distributed":

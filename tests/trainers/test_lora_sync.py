@@ -14,7 +14,7 @@ pytest.importorskip("peft")
 from palaestra.engines.base import SamplingParams
 from palaestra.engines.local.local import LocalEngine
 from palaestra.trainers.algorithms.config import LossConfig
-from palaestra.trainers.engine_sync import EngineSync
+from palaestra.run.engine_sync import EngineSync
 from palaestra.trainers.torch_backend.backend import TorchBackend
 from palaestra.trainers.torch_backend.config import TorchBackendConfig
 from palaestra.trainers.torch_backend.lora import LoraSettings
