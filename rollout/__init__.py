@@ -58,10 +58,10 @@ if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr_
     from palaestra.rollout.episode import (
         TokenPlayer as TokenPlayer,
     )
-    from palaestra.rollout.episode import (
+    from palaestra.rollout.play import (
         play_episode as play_episode,
     )
-    from palaestra.rollout.episode import (
+    from palaestra.rollout.play import (
         run_episode as run_episode,
     )
     from palaestra.rollout.groups import (
@@ -85,10 +85,10 @@ if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr_
     from palaestra.rollout.tool_cache import (
         ToolCache as ToolCache,
     )
-    from palaestra.rollout.worker import (
+    from palaestra.rollout.groups import (
         GroupResult as GroupResult,
     )
-    from palaestra.rollout.worker import (
+    from palaestra.rollout.groups import (
         GroupTask as GroupTask,
     )
     from palaestra.rollout.worker import (
@@ -96,11 +96,11 @@ if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr_
     )
 
 _EXPORTS = {
-    "run_episode": "palaestra.rollout.episode",
+    "run_episode": "palaestra.rollout.play",
     "EpisodeState": "palaestra.rollout.episode",
     "EpisodeRequest": "palaestra.rollout.episode",
     "TokenPlayer": "palaestra.rollout.episode",
-    "play_episode": "palaestra.rollout.episode",
+    "play_episode": "palaestra.rollout.play",
     "DataSource": "palaestra.rollout.data",
     "TaskItem": "palaestra.rollout.data",
     "load_rows": "palaestra.rollout.data",
@@ -113,8 +113,8 @@ _EXPORTS = {
     "RolloutManager": "palaestra.rollout.manager",
     "RolloutBatch": "palaestra.rollout.manager",
     "RolloutWorker": "palaestra.rollout.worker",
-    "GroupTask": "palaestra.rollout.worker",
-    "GroupResult": "palaestra.rollout.worker",
+    "GroupTask": "palaestra.rollout.groups",
+    "GroupResult": "palaestra.rollout.groups",
     "ToolCache": "palaestra.rollout.tool_cache",
     "summarize": "palaestra.rollout.metrics",
     "WorkerPool": "palaestra.rollout.cluster",

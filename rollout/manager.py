@@ -62,7 +62,7 @@ from palaestra.engines.base import Engine
 from palaestra.rollout.groups import judge_group, resolve_filters
 from palaestra.rollout.metrics import summarize
 from palaestra.engines.weights.push import WeightPush
-from palaestra.rollout.worker import GroupResult, GroupTask
+from palaestra.rollout.groups import GroupResult, GroupTask
 from palaestra.types import Sample, Trajectory
 
 if TYPE_CHECKING:

@@ -107,7 +107,9 @@ def _engine_problems(cfg: TrainConfig) -> list[Problem]:
         out.append(Problem(("engine.weight_sync", "engine.kind"), (
             "engine.weight_sync.kind = 'in_process' needs the embedded engine; for SGLang servers "
             "use distributed, disk or tensor")))
-    if cfg.trainer.backend == "megatron" and not _megatron_installed():
+    from palaestra.trainers.megatron.config import megatron_installed
+
+    if cfg.trainer.backend == "megatron" and not megatron_installed():
         out.append(Problem(("trainer.backend",), (
             "trainer.backend = 'megatron' needs megatron-core (pip install "
             "'palaestra[megatron]' on a CUDA machine; see docs/megatron.md)")))
@@ -309,15 +311,6 @@ def _demonstration_problems(cfg: TrainConfig) -> list[Problem]:
         return [Problem(("warmup.demonstrations",),
                         f"warmup.demonstrations = {source!r}: {scan.describe()}")]
     return []
-
-
-def _megatron_installed() -> bool:
-    import importlib.util
-
-    try:  # megatron.core, not a folder that happens to be named megatron (e.g. a test package)
-        return importlib.util.find_spec("megatron.core") is not None
-    except (ImportError, ValueError):
-        return False
 
 
 __all__ = ["GROUP_BASELINES", "config_problems", "launch_problems"]

@@ -123,9 +123,9 @@ def critic_problems(cfg: TrainConfig) -> list[Any]:
                 "the critic runs in the policy's process, so it shares megatron's parallel "
                 "layout: drop tp/pp/ep/expert_tp from critic.megatron")))
     if critic_backend_name(cfg) == "megatron" and cfg.trainer.backend != "megatron":
-        from palaestra.run.config_checks import _megatron_installed
+        from palaestra.trainers.megatron.config import megatron_installed
 
-        if not _megatron_installed():
+        if not megatron_installed():
             out.append(Problem(("critic.backend",), (
                 "critic.backend = 'megatron' needs megatron-core (pip install "
                 "'palaestra[megatron]' on a CUDA machine); or --critic.backend torch")))

@@ -48,7 +48,7 @@ async def evaluate_tasks(
     """Play each task once; success = reward >= ``pass_threshold``. Returns metrics, episodes."""
     from palaestra import envs
     from palaestra.rollout.data import _mix
-    from palaestra.rollout.episode import run_episode
+    from palaestra.rollout.play import run_episode
 
     limit = asyncio.Semaphore(concurrency)
 

@@ -107,22 +107,28 @@ def spec_for_language(code: str, language: str, timeout: float, stdin: bytes | s
                        "(or use run_command(argv) for anything else)")
 
 
+#: backend name -> its class: each backend registers itself by subclassing `Sandbox` with its
+#: ``backend_name`` (`palaestra.sandbox` imports both backends, so ``Sandbox(backend=...)`` finds
+#: them without this module importing its own subclasses)
+_BACKENDS: dict[str, type[Sandbox]] = {}
+
+
 def _backend_class(backend: str) -> type[Sandbox]:
-    if backend == "local":
-        from palaestra.sandbox.local import LocalSandbox
-
-        return LocalSandbox
-    if backend == "docker":
-        from palaestra.sandbox.docker_backend import DockerSandbox
-
-        return DockerSandbox
-    raise ConfigError(f"unknown sandbox backend {backend!r}; choose 'local' or 'docker'")
+    cls = _BACKENDS.get(backend)
+    if cls is None:
+        raise ConfigError(f"unknown sandbox backend {backend!r}; choose 'local' or 'docker'")
+    return cls
 
 
 class Sandbox(abc.ABC):
     """Async sandbox for untrusted code. ``Sandbox(...)`` builds the ``backend`` asked for."""
 
     backend_name = "abstract"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.backend_name != "abstract":  # the first class of a name is the backend
+            _BACKENDS.setdefault(cls.backend_name, cls)
 
     def __new__(cls, *args: Any, backend: str | None = None, **kwargs: Any) -> Sandbox:
         if cls is Sandbox:

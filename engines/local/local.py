@@ -156,7 +156,7 @@ class LocalEngine:
         import torch
 
         from palaestra.engines.local.kv_cache import SlotKVCache
-        from palaestra.engines.local.model import Decoder
+        from palaestra.engines.local.loading import decoder_from_hf_model, load_decoder
 
         if (model_path is None) == (hf_model is None):
             raise ConfigError("pass exactly one of model_path or hf_model to LocalEngine")
@@ -171,9 +171,9 @@ class LocalEngine:
         self.device = dev
         self.dtype = dtype
         if hf_model is not None:
-            self.decoder: Decoder = Decoder.from_hf_model(hf_model, dev, dtype)
+            self.decoder: Decoder = decoder_from_hf_model(hf_model, dev, dtype)
         else:
-            self.decoder = Decoder.from_pretrained(model_path, dev, dtype)  # type: ignore[arg-type]
+            self.decoder = load_decoder(model_path, dev, dtype)  # type: ignore[arg-type]
         cfg = self.decoder.config
         self.decode_attention = self._choose_decode_attention(decode_attention)
         self.max_model_len = min(max_model_len or cfg.max_positions, cfg.max_positions)

@@ -33,6 +33,17 @@ if TYPE_CHECKING:
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
+#: Hugging Face ``model_type``s whose layers are not this module's (`load_decoder` picks their
+#: decoder class: `palaestra.engines.local.loading`)
+OTHER_LAYOUTS = ("deepseek_v3",)
+
+
+def _refuse_other_layout(cls: type, hf_config: Any) -> None:
+    model_type = getattr(hf_config, "model_type", "")
+    if cls is Decoder and model_type in OTHER_LAYOUTS:
+        raise EngineError(f"a {model_type} checkpoint has its own decoder class; build it with "
+                          "palaestra.engines.local.loading.load_decoder / decoder_from_hf_model")
+
 
 @dataclass(frozen=True)
 class DecoderConfig:
@@ -357,10 +368,7 @@ class Decoder:
                 "(e.g. one written by `palaestra init-model`)"
             )
         hf_config = AutoConfig.from_pretrained(path)
-        if cls is Decoder and getattr(hf_config, "model_type", "") == "deepseek_v3":
-            from palaestra.engines.local.deepseek import MLADecoder
-
-            return MLADecoder.from_pretrained(path, device, dtype)
+        _refuse_other_layout(cls, hf_config)
         config = cls.config_from_hf(hf_config)
         files = safetensors_files(path)
         qkv_bias = any(name.endswith("q_proj.bias") for name, _ in _iter_names(files))
@@ -381,10 +389,7 @@ class Decoder:
     @classmethod
     def from_hf_model(cls, hf_model: Any, device: Any = None, dtype: Any = None) -> Decoder:
         """Build from an in-memory transformers model (weights are copied)."""
-        if cls is Decoder and getattr(hf_model.config, "model_type", "") == "deepseek_v3":
-            from palaestra.engines.local.deepseek import MLADecoder
-
-            return MLADecoder.from_hf_model(hf_model, device, dtype)
+        _refuse_other_layout(cls, hf_model.config)
         param = next(hf_model.parameters())
         device = device if device is not None else param.device
         dtype = dtype if dtype is not None else param.dtype

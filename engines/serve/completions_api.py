@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from palaestra.engines.serve.http_server import HEAVY_TOKENS
+from palaestra.engines.serve.server_state import HEAVY_TOKENS
 from palaestra.engines.serve.serve_requests import (
     BadRequest,
     CompletionRequest,
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from aiohttp import web
 
     from palaestra.engines.base import Generation, SamplingParams
-    from palaestra.engines.serve.http_server import ServerState
+    from palaestra.engines.serve.server_state import ServerState
 
 
 def _check(req: CompletionRequest) -> int:
@@ -114,7 +114,7 @@ def _choice(state: ServerState, req: CompletionRequest, index: int, gen: Generat
 def handler(state: ServerState) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     """The ``POST /v1/completions`` handler over the server's state."""
 
-    from palaestra.engines.serve.http_server import heavy_body, json_bytes, read_json
+    from palaestra.engines.serve.server_state import heavy_body, json_bytes, read_json
     from palaestra.engines.serve.openai_api import (
         check_model,
         openai_sampling,

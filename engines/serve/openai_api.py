@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import EngineError
 from palaestra.engines.base import Generation, SamplingParams
-from palaestra.engines.serve.http_server import HEAVY_TOKENS
+from palaestra.engines.serve.server_state import HEAVY_TOKENS
 from palaestra.engines.serve.serve_requests import (
     BadRequest,
     ChatCompletionRequest,
@@ -41,7 +41,7 @@ from palaestra.types import Message
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from palaestra.engines.serve.http_server import ServerState
+    from palaestra.engines.serve.server_state import ServerState
     from palaestra.engines.serve.serve_requests import CompletionRequest
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -173,7 +173,7 @@ def reseed(params: SamplingParams, i: int) -> SamplingParams:
 
 def shutdown_abort(state: ServerState, gens: list[Generation]) -> None:
     """Answer 503 when the server's shutdown aborted one of these generations."""
-    from palaestra.engines.serve.http_server import SHUTDOWN_MESSAGE
+    from palaestra.engines.serve.server_state import SHUTDOWN_MESSAGE
 
     if state.aborting and any(g.finish_reason == "abort" for g in gens):
         raise BadRequest(SHUTDOWN_MESSAGE, None, "server_shutting_down", 503)
@@ -200,11 +200,10 @@ def _chat_request(req: ChatCompletionRequest) -> None:
 
 
 def add_routes(app: web.Application, state: ServerState) -> None:
-    """Register ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/models``."""
+    """Register ``/v1/chat/completions`` and ``/v1/models`` (``/v1/completions`` is
+    `palaestra.engines.serve.completions_api`'s, registered beside them by `build_app`)."""
     from aiohttp import web
-
-    from palaestra.engines.serve import completions_api
-    from palaestra.engines.serve.http_server import read_json
+    from palaestra.engines.serve.server_state import read_json
 
     engine = state.engine
 
@@ -228,7 +227,7 @@ def add_routes(app: web.Application, state: ServerState) -> None:
         return req, ids, openai_sampling(state, req, len(ids), requested)
 
     async def chat(request: web.Request) -> web.StreamResponse:
-        from palaestra.engines.serve.http_server import heavy_body, json_bytes
+        from palaestra.engines.serve.server_state import heavy_body, json_bytes
 
         body = await read_json(request, state)
         req, ids, params = await state.compute(heavy_body(request), prepare, body)
@@ -270,7 +269,6 @@ def add_routes(app: web.Application, state: ServerState) -> None:
 
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/chat/completions", chat)
-    app.router.add_post("/v1/completions", completions_api.handler(state))
 
 
 def _finish(reason: str, message: dict[str, Any]) -> str:
@@ -334,7 +332,7 @@ async def stream_text(
     ``send_text``; returns the final generation, its whole text and how many characters were
     sent. On an engine error or a shutdown abort it writes the error event and returns None
     (the caller then ends the stream with `_done`)."""
-    from palaestra.engines.serve.http_server import SHUTDOWN_MESSAGE
+    from palaestra.engines.serve.server_state import SHUTDOWN_MESSAGE
 
     tok = state.tokenizer
     tokens: list[int] = []

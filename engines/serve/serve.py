@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from aiohttp import web
 
-    from palaestra.engines.serve.http_server import ServerState
+    from palaestra.engines.serve.server_state import ServerState
     from palaestra.engines.local.local import LocalEngine
     from palaestra.engines.serve.serve_guard import ServeOptions
     from palaestra.engines.clients.sglang import ServerProcess
@@ -107,7 +107,8 @@ async def start_server(engine: LocalEngine, *, host: str = "127.0.0.1", port: in
     """Serve ``engine`` on ``host:port`` (0 = a free port) inside the running event loop."""
     from aiohttp import web
 
-    from palaestra.engines.serve.http_server import ServerState, build_app
+    from palaestra.engines.serve.http_server import build_app
+    from palaestra.engines.serve.server_state import ServerState
     from palaestra.engines.serve.serve_guard import ServeOptions
 
     tok = tokenizer if tokenizer is not None else engine.tokenizer

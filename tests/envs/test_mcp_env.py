@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("mcp")
 
 from palaestra.envs import make
-from palaestra.envs.ecosystem.notes import notes_server_path
+from palaestra.envs.ecosystem.mcp_env import notes_server_path
 from palaestra.types import Message, StopReason, ToolCall
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -37,7 +37,8 @@ def _worker_config(tokenizer_dir: str, n_calls: int = 2) -> Any:
 
 
 async def _play_group(tokenizer_dir: str, branching: Branching | None, n: int = 8) -> Any:
-    from palaestra.rollout.worker import GroupTask, RolloutWorker
+    from palaestra.rollout.groups import GroupTask
+    from palaestra.rollout.worker import RolloutWorker
 
     worker = RolloutWorker(_worker_config(tokenizer_dir))
     task = GroupTask("g1", "palaestra/Calculator-v0", TASK, "t7",
@@ -102,7 +103,8 @@ async def test_episode_that_ends_before_the_branch_point_stands_for_its_leaves(
 
 
 async def _play_group_calls(tokenizer_dir: str, branching: Branching) -> Any:
-    from palaestra.rollout.worker import GroupTask, RolloutWorker
+    from palaestra.rollout.groups import GroupTask
+    from palaestra.rollout.worker import RolloutWorker
 
     worker = RolloutWorker(_worker_config(tokenizer_dir, n_calls=1))
     task = GroupTask("g2", "palaestra/Calculator-v0", TASK, "t7", (1, 2, 3, 4),

@@ -14,7 +14,8 @@ import pytest
 
 from palaestra.rollout.branching import Branching, TreeHooks, TreeRequest, play_branching_group
 from palaestra.engines.base import SamplingParams
-from palaestra.rollout.episode import EpisodeState, run_episode
+from palaestra.rollout.episode import EpisodeState
+from palaestra.rollout.play import run_episode
 
 
 @pytest.fixture()

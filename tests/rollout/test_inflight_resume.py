@@ -57,7 +57,7 @@ def worker_config(tokenizer_dir: str) -> Any:
 
 
 def group_task() -> Any:
-    from palaestra.rollout.worker import GroupTask
+    from palaestra.rollout.groups import GroupTask
 
     return GroupTask("g1", "palaestra/Calculator-v0", TASK, "t3", SEEDS)
 

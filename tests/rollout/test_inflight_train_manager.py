@@ -133,7 +133,8 @@ async def test_ray_and_local_clients_hand_over_inflight_groups(ray_cluster, toke
     """`WorkerClient.inflight_state` of a Ray actor, `restore_inflight` into an in-process
     worker: the group finishes with the samples of an uninterrupted in-process run."""
     from palaestra.rollout.cluster import WorkerClient
-    from palaestra.rollout.worker import GroupTask, RolloutWorker
+    from palaestra.rollout.groups import GroupTask
+    from palaestra.rollout.worker import RolloutWorker
 
     row = calc_rows(1)[0]
     task = GroupTask("g1", row["env_id"], row, row["id"], (5, 6, 7))

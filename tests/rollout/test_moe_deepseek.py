@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 from palaestra.engines.base import SamplingParams
 from palaestra.engines.local.deepseek import MLADecoder
 from palaestra.engines.local.local import LocalEngine
-from palaestra.engines.local.model import Decoder
+from palaestra.engines.local.loading import decoder_from_hf_model, load_decoder
 
 TINY = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16,
         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 4,
@@ -63,7 +63,7 @@ def _reference(model, ids: list[int]):
 @pytest.mark.parametrize("interleave", [True, False])
 def test_mla_forward_matches_hf(interleave: bool) -> None:
     model = _hf(rope_interleave=interleave)
-    dec = Decoder.from_hf_model(model)
+    dec = decoder_from_hf_model(model)
     assert isinstance(dec, MLADecoder)
     ids = list(range(2, 60))
     logits, chosen = _reference(model, ids)
@@ -76,7 +76,7 @@ def test_mla_forward_matches_hf(interleave: bool) -> None:
 def test_q_proj_without_lora_and_checkpoint_layout(tmp_path) -> None:
     model = _hf(seed=1, q_lora_rank=None)
     model.save_pretrained(tmp_path)
-    dec = Decoder.from_pretrained(tmp_path, "cpu", torch.float32)
+    dec = load_decoder(tmp_path, "cpu", torch.float32)
     ids = list(range(5, 40))
     torch.testing.assert_close(dec.prefill_full(torch.tensor(ids)), _reference(model, ids)[0],
                                atol=1e-4, rtol=1e-4)
@@ -117,7 +117,7 @@ def test_moving_and_sizing_cover_every_mla_weight() -> None:
     and re-index the weights, reshaped MLA views included."""
     from palaestra.engines.local.deepseek import _SLOTS
 
-    dec = Decoder.from_hf_model(_hf(seed=2))
+    dec = decoder_from_hf_model(_hf(seed=2))
     tensors = {id(t): t for t in (dec.embed, dec.lm_head, dec.final_norm)}
     for layer in dec.layers:
         tensors.update({id(t): t for t in (getattr(layer, n) for n in _SLOTS) if t is not None})

@@ -18,7 +18,8 @@ from palaestra.rollout import DataSource, RolloutConfig, RolloutManager, ToolCac
 from palaestra.engines.base import SamplingParams
 from palaestra.engines.clients.scripted import ScriptedEngine
 from palaestra.rollout.testing import CalculatorPolicy
-from palaestra.rollout.worker import GroupTask, RolloutWorker
+from palaestra.rollout.groups import GroupTask
+from palaestra.rollout.worker import RolloutWorker
 from palaestra.types import StopReason
 
 TASK = {"id": "c1", "question": "What is 5 * 9?", "answer": "45"}
