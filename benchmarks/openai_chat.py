@@ -14,7 +14,7 @@ from typing import Any
 from palaestra.benchmarks.chat_episode import ChatReply
 from palaestra.benchmarks.limits import RateLimiter, describe_retry, with_retries
 from palaestra.errors import ConfigError, EngineError
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.types import Message
 
 

@@ -24,7 +24,7 @@ from palaestra.benchmarks.spec import Benchmark
 from palaestra.benchmarks.store import SampleKey, SampleStore, check_run_meta, key_of, light
 from palaestra.benchmarks.summary import summarize, write_summary
 from palaestra.errors import ConfigError, EngineError
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.rollout.episode import EpisodeRequest, Player
 from palaestra.types import StopReason, Trajectory
 

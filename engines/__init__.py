@@ -1,4 +1,5 @@
-"""Generation engines: token ids in, token ids + logprobs out (`Engine` protocol in `base`).
+"""Generation engines: token ids in, token ids + logprobs out (the `Engine` protocol is core's,
+`palaestra.engine`).
 
 - `LocalEngine` (embedded; CPU or CUDA): own generation loop, continuous batching, prefix reuse,
   exact logprobs, in-process weight updates. ``palaestra serve`` puts it behind SGLang's native
@@ -15,7 +16,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from palaestra.engines.base import (
+from palaestra.engine import (
     Engine,
     EngineUnavailableError,
     Generation,

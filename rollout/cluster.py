@@ -19,7 +19,7 @@ from typing import Any
 
 from palaestra.errors import ConfigError, MissingExtraError
 from palaestra.rollout.config import WorkerConfig
-from palaestra.engines.base import Engine
+from palaestra.engine import Engine
 from palaestra.rollout.inflight import SavedGroup
 from palaestra.rollout.groups import GroupResult, GroupTask, PauseReport
 from palaestra.rollout.worker import RolloutWorker

@@ -25,7 +25,7 @@ from pydantic._internal._model_construction import ModelMetaclass  # pydantic.ma
 from palaestra.config import Problem, Section
 from palaestra.errors import ConfigError
 from palaestra.rollout.branching import BranchingConfig
-from palaestra.engines.base import Engine, SamplingParams
+from palaestra.engine import Engine, SamplingParams
 from palaestra.rollout.groups import GroupFilter
 
 if TYPE_CHECKING:

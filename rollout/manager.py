@@ -58,7 +58,7 @@ from palaestra.rollout.branching import Branching
 from palaestra.rollout.cluster import WorkerClient, WorkerPool
 from palaestra.rollout.config import RolloutConfig, WorkerConfig
 from palaestra.rollout.data import DataSource, _mix
-from palaestra.engines.base import Engine
+from palaestra.engine import Engine
 from palaestra.rollout.groups import judge_group, resolve_filters
 from palaestra.rollout.metrics import summarize
 from palaestra.engines.weights.push import WeightPush

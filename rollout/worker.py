@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from palaestra.rollout.config import WorkerConfig
-from palaestra.engines.base import Engine
+from palaestra.engine import Engine
 from palaestra.rollout.episode import EpisodeState
 from palaestra.rollout.play import run_episode
 from palaestra.rollout.gate import GatedEngine, GcTuning

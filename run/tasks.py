@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from palaestra.engines.base import Engine, SamplingParams
+from palaestra.engine import Engine, SamplingParams
 from palaestra.types import Trajectory
 
 

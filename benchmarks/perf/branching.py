@@ -225,7 +225,7 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 async def main_async(quick: bool) -> dict[str, Any]:
     from palaestra.agents import AgentSpec
     from palaestra.envs import make
-    from palaestra.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
     from palaestra.engines.local.local import LocalEngine
     from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy

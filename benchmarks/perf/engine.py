@@ -61,7 +61,7 @@ def _best(fn: Any, repeats: int) -> float:
 
 # ----------------------------------------------------------------------------------- engines
 def _engine_run(engine: Any, prompts: list[list[int]], new_tokens: int) -> float:
-    from palaestra.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
 
@@ -174,7 +174,7 @@ def _episode_tokens(tokenizer: Any) -> tuple[list[int], list[list[int]]]:
 
 def multi_turn(engine: Any, hf: Any, tokenizer: Any, episodes: int, turn_tokens: int,
                repeats: int) -> dict[str, Any]:
-    from palaestra.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
 
     first, deltas = _episode_tokens(tokenizer)
     turns = len(deltas) + 1

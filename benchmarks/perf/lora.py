@@ -68,7 +68,7 @@ async def _decode_s(engines: dict[str, Any], batch: int, new_tokens: int, rounds
                     ) -> dict[str, float]:
     """Best-of-``rounds`` seconds of one decode batch per engine, the engines interleaved in
     every round (so a busy spell of the shared CPU hits all of them alike)."""
-    from palaestra.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
 
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     prompts = [[(7 * i + j) % 500 + 3 for j in range(16)] for i in range(batch)]

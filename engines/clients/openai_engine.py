@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from palaestra.errors import EngineError, MissingExtraError
-from palaestra.engines.base import EngineUnavailableError
+from palaestra.engine import EngineUnavailableError
 from palaestra.types import Message, ToolCall
 
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from palaestra.errors import EngineError
-from palaestra.engines.base import Engine, EngineUnavailableError, Generation, SamplingParams
+from palaestra.engine import Engine, EngineUnavailableError, Generation, SamplingParams
 
 
 @dataclass(eq=False)

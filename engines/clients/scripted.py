@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from palaestra.errors import EngineError
-from palaestra.engines.base import Generation, SamplingParams
+from palaestra.engine import Generation, SamplingParams
 
 Script = Callable[[Sequence[int], random.Random], Sequence[int]]
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import ConfigError, EngineError, MissingExtraError
-from palaestra.engines.base import EngineUnavailableError, Generation, SamplingParams
+from palaestra.engine import EngineUnavailableError, Generation, SamplingParams
 
 if TYPE_CHECKING:
     import aiohttp

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import ConfigError, EngineError
-from palaestra.engines.base import EngineUnavailableError, Generation, SamplingParams
+from palaestra.engine import EngineUnavailableError, Generation, SamplingParams
 from palaestra.engines.local.prefix_cache import PrefixCache, PrefixEntry, common_prefix_len
 from palaestra.engines.local.sampling import RowSampler
 

@@ -31,7 +31,7 @@ from palaestra.engines.serve.serve_requests import (
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from palaestra.engines.base import Generation, SamplingParams
+    from palaestra.engine import Generation, SamplingParams
     from palaestra.engines.serve.server_state import ServerState
 
 

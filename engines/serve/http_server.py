@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from palaestra.asyncio_utils import in_daemon_thread
 from palaestra.errors import ConfigError, EngineError
 from palaestra.engines.serve import sglang_protocol as sp
-from palaestra.engines.base import EngineUnavailableError, SamplingParams
+from palaestra.engine import EngineUnavailableError, SamplingParams
 from palaestra.engines.serve.server_state import (
     HEAVY_BODY_BYTES,
     HEAVY_TOKENS,
@@ -675,7 +675,7 @@ async def _stream_generate(request: web.Request, state: ServerState, item: GenIt
     """
     from aiohttp import web
 
-    from palaestra.engines.base import Generation
+    from palaestra.engine import Generation
 
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})

@@ -25,7 +25,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import EngineError
-from palaestra.engines.base import Generation, SamplingParams
+from palaestra.engine import Generation, SamplingParams
 from palaestra.engines.serve.server_state import HEAVY_TOKENS
 from palaestra.engines.serve.serve_requests import (
     BadRequest,

@@ -75,7 +75,7 @@ async def _main(args: argparse.Namespace) -> None:
     from palaestra.agents import load_tokenizer
     from palaestra.asyncio_utils import wait_for_stop_signal
     from palaestra.errors import ConfigError
-    from palaestra.engines.base import EngineUnavailableError, SamplingParams
+    from palaestra.engine import EngineUnavailableError, SamplingParams
     from palaestra.engines.clients.router import Router
     from palaestra.engines.clients.sglang import SGLangClient
     from palaestra.rollout.gateway.auth import GatewayKeys

@@ -103,7 +103,7 @@ class JudgeSource:
                 msg = await self._chat.chat(prompt, temperature=cfg.temperature,
                                             max_tokens=cfg.max_new_tokens)
                 return str(msg.content)
-            from palaestra.engines.base import SamplingParams
+            from palaestra.engine import SamplingParams
 
             ids = self._tokenizer.apply_chat_template(prompt, tokenize=True,
                                                       add_generation_prompt=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from palaestra.benchmarks.trained_settings import (
+from palaestra.trained_settings import (
     FILENAME,
     TrainedSettings,
     read_trained_settings,

@@ -13,7 +13,7 @@ import torch
 
 from palaestra.errors import ConfigError
 from palaestra.engines.serve import sglang_protocol as sp
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.engines.local.prefix_cache import PrefixCache, common_prefix_len
 from palaestra.engines.local.sampling import sample_rows, token_logprobs
 from palaestra.engines.weights.tensor_payload import decode_named_tensors, encode_named_tensors

@@ -15,7 +15,7 @@ import torch
 from engine_testing import prompts
 
 from palaestra.errors import ConfigError
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.engines.local.local import LocalEngine
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

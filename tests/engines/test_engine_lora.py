@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("peft")
 
 from palaestra.errors import EngineError
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.engines.local.local import LocalEngine
 from palaestra.engines.local.lora import LoraAdapter
 

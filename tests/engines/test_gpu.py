@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.engines.local.local import LocalEngine
 
 from engine_testing import prompts

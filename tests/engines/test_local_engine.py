@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from palaestra.errors import EngineError
-from palaestra.engines.base import Engine, SamplingParams
+from palaestra.engine import Engine, SamplingParams
 from palaestra.engines.local.local import LocalEngine
 from palaestra.engines.local.sampling import token_logprobs
 

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from palaestra.engines.base import EngineUnavailableError, SamplingParams
+from palaestra.engine import EngineUnavailableError, SamplingParams
 from palaestra.engines.local.local import LocalEngine
 from palaestra.engines.clients.router import Router
 from palaestra.engines.serve.serve import start_server

@@ -13,7 +13,7 @@ import torch
 
 from palaestra.errors import EngineError
 from palaestra.engines.serve import sglang_protocol as sp
-from palaestra.engines.base import Engine, SamplingParams
+from palaestra.engine import Engine, SamplingParams
 from palaestra.engines.local.local import LocalEngine
 from palaestra.engines.serve.serve import start_server
 from palaestra.engines.clients.sglang import SGLangClient

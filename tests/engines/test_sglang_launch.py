@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from palaestra.errors import ConfigError, EngineError, MissingExtraError
-from palaestra.engines.base import EngineUnavailableError, SamplingParams
+from palaestra.engine import EngineUnavailableError, SamplingParams
 from palaestra.engines.serve.serve import serve_argv
 from palaestra.engines.clients.sglang import (
     ServerProcess,

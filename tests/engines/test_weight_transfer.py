@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from palaestra.errors import ConfigError, EngineError
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.engines.local.local import LocalEngine
 from palaestra.engines.serve.serve import serve_process
 from palaestra.engines.clients.sglang import SGLangClient

@@ -87,7 +87,7 @@ class NotesPolicy:
 async def test_notes_episode_through_the_rollout_path(tokenizer_dir):
     from palaestra.agents import make_agent
     from palaestra.rollout import run_episode
-    from palaestra.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
     from palaestra.engines.clients.scripted import ScriptedEngine
 
     env = make("palaestra/MCPNotes-v0")
@@ -154,7 +154,7 @@ def test_tool_errors_state_per_episode_and_close():
 async def test_crashing_server_is_a_failed_episode_with_its_error(tokenizer_dir):
     from palaestra.agents import make_agent
     from palaestra.rollout import run_episode
-    from palaestra.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
     from palaestra.engines.clients.scripted import ScriptedEngine
 
     env = make("palaestra/MCP-v0", command=["python", SERVER, "--crash-on", "boom"])

@@ -105,7 +105,7 @@ def steer():
 @pytest.fixture
 async def served(engine, tokenizer):
     """A gateway over a recording engine, served on 127.0.0.1: (gateway, server, recorder)."""
-    from palaestra.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
     from palaestra.rollout.gateway import Gateway, serve_gateway
 
     rec = Recording(engine)

@@ -18,7 +18,7 @@ def worker_config(tokenizer_dir: str, *, p_correct: float = 0.5, latency_s: floa
                   **kwargs):
     from palaestra.agents import AgentSpec
     from palaestra.rollout import EngineSpec, WorkerConfig
-    from palaestra.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
     from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy
 

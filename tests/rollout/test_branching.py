@@ -18,7 +18,7 @@ from palaestra.rollout.branching import (
     expected_generated_ratio,
     play_branching_group,
 )
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 
 TASK = {"id": "t7", "question": "What is 17 + 25?", "answer": "42"}
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from palaestra.rollout.branching import Branching, TreeHooks, TreeRequest, play_branching_group
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.rollout.episode import EpisodeState
 from palaestra.rollout.play import run_episode
 

@@ -12,7 +12,7 @@ import pytest
 from palaestra.agents import make_agent
 from palaestra.envs import make
 from palaestra.rollout import EpisodeState, run_episode
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.engines.clients.scripted import ScriptedEngine, scripted_logprob
 from palaestra.rollout.testing import FLAKY_ENTRY, CalculatorPolicy
 from palaestra.types import StopReason

@@ -9,7 +9,7 @@ import pytest
 
 from palaestra.envs.calculator import CalculatorEnv
 from palaestra.episode_info import EnvInfoError, EpisodeKind, ResetInfo, StepInfo
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.rollout.episode import EpisodeRequest, TokenPlayer
 from palaestra.rollout.play import RUNNERS, play_episode
 from palaestra.types import Message, StopReason, ToolCall

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 
 TASK = {"id": "t3", "question": "What is 12 + 30 * 2?", "answer": "72"}
 SEEDS = (11, 12, 13, 14)

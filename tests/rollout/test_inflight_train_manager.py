@@ -22,7 +22,7 @@ def _wc(tokenizer_dir: str):
 
     from palaestra.agents import AgentSpec
     from palaestra.rollout import EngineSpec, WorkerConfig
-    from palaestra.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
     from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy
 

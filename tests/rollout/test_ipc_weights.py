@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from palaestra.errors import ConfigError, EngineError
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 
 torch.set_num_threads(1)
 PROMPT = [3, 17, 29, 41, 5, 8]

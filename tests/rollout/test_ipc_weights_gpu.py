@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 
 pytestmark = [
     pytest.mark.gpu,

@@ -142,7 +142,7 @@ class StallingEngine:
         return self.inner.weight_version
 
     async def generate(self, input_ids, sampling, *, request_id=None, session_id=None):
-        from palaestra.engines.base import Generation
+        from palaestra.engine import Generation
 
         version = self.inner.weight_version
         if session_id in self._rest:  # the continuation of an aborted request

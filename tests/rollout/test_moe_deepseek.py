@@ -12,7 +12,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.engines.local.deepseek import MLADecoder
 from palaestra.engines.local.local import LocalEngine
 from palaestra.engines.local.loading import decoder_from_hf_model, load_decoder

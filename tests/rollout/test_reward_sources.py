@@ -301,7 +301,7 @@ async def test_judge_over_palaestra_serve_native_api(model_dir):
     that prompt (the micro model writes no score, so the failure quotes that reply)."""
     from palaestra.agents import load_tokenizer
     from palaestra.engines import LocalEngine
-    from palaestra.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
     from palaestra.engines.serve.serve import start_server
 
     engine = LocalEngine(model_dir, device="cpu", max_running=4)

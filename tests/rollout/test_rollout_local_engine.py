@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(600)
 
 from palaestra.agents import AgentSpec
 from palaestra.rollout import DataSource, EngineSpec, RolloutConfig, RolloutManager, WorkerConfig
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.engines.serve.serve import serve_argv
 
 

@@ -15,7 +15,7 @@ from palaestra.agents import make_agent
 from palaestra.envs import make
 from palaestra.errors import ConfigError
 from palaestra.rollout import DataSource, RolloutConfig, RolloutManager, ToolCache, run_episode
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.engines.clients.scripted import ScriptedEngine
 from palaestra.rollout.testing import CalculatorPolicy
 from palaestra.rollout.groups import GroupTask

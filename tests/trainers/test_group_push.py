@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from palaestra.config import validate
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.run.placement import PlacementSection, plan_run
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.batching import TrainBatch

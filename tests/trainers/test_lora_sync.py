@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("peft")
 
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.engines.local.local import LocalEngine
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.run.engine_sync import EngineSync

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from palaestra.errors import ConfigError
-from palaestra.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.batching import TrainBatch
 from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig

@@ -25,7 +25,7 @@ CFG = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512,
 
 
 def _samples(path: Path) -> list[Any]:
-    from palaestra.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
     from palaestra.engines.local.local import LocalEngine
     from palaestra.types import Sample
 

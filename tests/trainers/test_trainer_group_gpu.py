@@ -33,7 +33,7 @@ def _batch(n: int = 8):
 
 def test_colocated_phases_free_memory_and_keep_training_exact(tmp_path):
     from palaestra.engines import LocalEngine
-    from palaestra.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
     from palaestra.tiny_model import build_model
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
