@@ -242,7 +242,7 @@ async def test_drain_lets_in_flight_finish_or_moves_them_after_the_timeout(serve
 
 
 def test_the_command_says_what_is_wrong(tmp_path, capsys):
-    from palaestra.trainers import engines_cli
+    from palaestra.run import engines_cli
 
     parser = argparse.ArgumentParser()
     engines_cli.configure(parser)
