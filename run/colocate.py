@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from palaestra.engine import MemoryReleasing
 from palaestra.trainers.memory import GIB, device_state_bytes, gpu_memory
 
 if TYPE_CHECKING:
@@ -65,10 +66,11 @@ class ColocatedPhases:
     # ------------------------------------------------------------------ engine control
     async def _engine_memory(self, release: bool, tags: Sequence[str] | None = None) -> None:
         """Release or resume the engine's memory: the embedded engine, or every server."""
-        targets: list[Any] = [self.engine] if hasattr(self.engine, "release_memory") \
-            else list(getattr(self.engine, "clients", ()))
-        call = "release_memory" if release else "resume_memory"
-        await asyncio.gather(*(getattr(t, call)(list(tags) if tags else None) for t in targets))
+        targets: list[MemoryReleasing] = [self.engine] if isinstance(
+            self.engine, MemoryReleasing) else list(getattr(self.engine, "clients", ()))
+        arg = list(tags) if tags else None
+        await asyncio.gather(*((t.release_memory(arg) if release else t.resume_memory(arg))
+                               for t in targets))
 
     def _offload(self) -> None:
         moved = 0.0

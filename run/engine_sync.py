@@ -6,6 +6,9 @@ broadcast), CUDA IPC handles (``ipc``: servers colocated on this host's GPU map 
 memory, bucket by bucket), through disk, or base64 tensors over HTTP.
 `EngineSync.weights_of(backend)` is the `WeightPush` the rollout manager runs between pausing
 and resuming generation; `last` holds the timing of the newest push (logged as ``sync/*``).
+`choose_push` picks one push class per backend at its first push, from typed capabilities
+(`palaestra.engine.AdapterHost`, `palaestra.contracts.AdapterTrainer`, `PushesOwnWeights`):
+`AdapterToServersPush`, `GroupPush`, `SenderPush`, `AdapterInProcessPush`, `WholeWeightsPush`.
 
 A trainer group pushing to servers (`palaestra.trainers.group.push.PushesOwnWeights`) sends the
 weights from its rank 0 itself: `EngineSync` gives it the path (`push_spec`: the method, the
@@ -20,8 +23,10 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from palaestra.contracts import AdapterTrainer, trains_adapter
+from palaestra.engine import AdapterHost, AdapterServing
 from palaestra.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -85,6 +90,8 @@ class EngineSync:
         self._served_adapter: tuple[str, Path] | None = None
         self.group_pushes = 0  # pushes a trainer group's rank 0 made itself (no relay here)
         self._unflushed_remote: int | None = None
+        # the path of each backend, chosen at its first push (the backend is built after this)
+        self._paths: dict[int, tuple[WeightSource, SyncPush]] = {}
 
     @classmethod
     def from_config(cls, settings: EngineSection, engine: LocalEngine | SGLangEngine,
@@ -135,43 +142,13 @@ class EngineSync:
         return BackendWeights(self, backend)
 
     async def push_now(self, backend: WeightSource, version: int) -> TransferStats:
-        """Move the weights now (generation should be paused) and time it."""
-        from palaestra.engines.weights.weight_transfer import TransferStats
-
-        if self.lora_servers and getattr(backend, "lora", None) is not None \
-                and not hasattr(self.engine, "update_adapter"):
-            self.last = await self._push_adapter_to_servers(backend, version)
-            return self.last
-        if self._pushes_itself(backend):
-            self.last = await self._push_from_group(backend, version)
-            return self.last
-        if self.sender is not None:
-            buckets = backend.iter_engine_weight_buckets(
-                self.bucket_bytes, dtype=self.dtype, device=self.device)
-            self.last = await self.sender.push(buckets, version)
-            return self.last
-        start = time.perf_counter()
-        adapter = self._adapter_of(backend)
-        if adapter is not None:  # LoRA: the adapter only; the engine applies it
-            state, config = adapter
-            dtype = self.dtype or getattr(self.engine, "dtype", None)  # what the engine computes in
-            if dtype is not None:
-                state = {k: v.to(dtype) for k, v in state.items()}
-            engine: Any = self.engine  # a LocalEngine (`_adapter_of` checked it)
-            await engine.update_adapter(state, config,
-                                        name=backend.lora.adapter_name,  # type: ignore[attr-defined]
-                                        version=version)
-            self.last = TransferStats(time.perf_counter() - start,
-                                      sum(t.numel() * t.element_size() for t in state.values()),
-                                      len(state), 1)
-            return self.last
-        weights = backend.state_dict_for_engines(  # straight onto the engine's device
-            dtype=self.dtype, device=getattr(self.engine, "device", "cpu"))
-        await self.engine.update_weights(weights, version=version)
-        unique = {t.data_ptr(): t for t in weights.values()}.values()  # tied weights count once
-        self.last = TransferStats(time.perf_counter() - start,
-                                  sum(t.numel() * t.element_size() for t in unique),
-                                  len(weights), 1)
+        """Move the weights now (generation should be paused) and time it, by the path
+        `choose_push` picked for ``backend`` at its first push."""
+        entry = self._paths.get(id(backend))
+        if entry is None or entry[0] is not backend:
+            entry = (backend, choose_push(self, backend))
+            self._paths[id(backend)] = entry
+        self.last = await entry[1].push(backend, version)
         return self.last
 
     def _pushes_itself(self, backend: Any) -> bool:
@@ -241,11 +218,11 @@ class EngineSync:
 
         from palaestra.engines.weights.weight_transfer import TransferStats
 
-        if self.adapter_dir is None or not hasattr(self.engine, "load_lora_adapter"):
+        engine = self.engine
+        if self.adapter_dir is None or not isinstance(engine, AdapterServing):
             raise ConfigError("LoRA to servers needs an engine with /load_lora_adapter "
                               "(SGLangEngine) and a run directory (EngineSync.from_config)")
         start = time.perf_counter()
-        engine: Any = self.engine  # an SGLangEngine (checked above)
         name = f"{backend.lora.adapter_name}-v{version}"
         folder = backend.export_adapter(self.adapter_dir / name)
         await engine.load_lora_adapter(name, str(folder))
@@ -256,13 +233,6 @@ class EngineSync:
             shutil.rmtree(old[1], ignore_errors=True)
         size = sum(f.stat().st_size for f in folder.iterdir() if f.suffix == ".safetensors")
         return TransferStats(time.perf_counter() - start, size, 1, 1)
-
-    def _adapter_of(self, backend: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """A LoRA backend's adapter when the engine applies adapters in process, else None
-        (other paths get the merged weights from ``state_dict_for_engines``)."""
-        if getattr(backend, "lora", None) is None or not hasattr(self.engine, "update_adapter"):
-            return None
-        return backend.adapter_for_engines()  # type: ignore[no-any-return]
 
     async def push_checkpoint(self, path: Path, version: int) -> None:
         """Load a Hugging Face checkpoint folder into the engines (e.g. the warm-started policy):
@@ -350,6 +320,113 @@ class EngineSync:
             await self.sender.close()
 
 
+class SyncPush(Protocol):
+    """One way the weights of a backend reach the engines (one class per path)."""
+
+    async def push(self, backend: WeightSource, version: int) -> TransferStats: ...
+
+
+@dataclass(frozen=True)
+class AdapterToServersPush:
+    """A LoRA backend's adapter to SGLang servers: a peft folder they load by name."""
+
+    sync: EngineSync
+
+    async def push(self, backend: WeightSource, version: int) -> TransferStats:
+        return await self.sync._push_adapter_to_servers(backend, version)
+
+
+@dataclass(frozen=True)
+class GroupPush:
+    """A trainer group's rank 0 sends the weights to the servers itself."""
+
+    sync: EngineSync
+
+    async def push(self, backend: WeightSource, version: int) -> TransferStats:
+        return await self.sync._push_from_group(backend, version)
+
+
+@dataclass(frozen=True)
+class SenderPush:
+    """Buckets of the backend's weights through the sender of the path (NCCL/gloo broadcast,
+    disk, CUDA IPC)."""
+
+    sync: EngineSync
+    sender: Any
+
+    async def push(self, backend: WeightSource, version: int) -> TransferStats:
+        s = self.sync
+        buckets = backend.iter_engine_weight_buckets(s.bucket_bytes, dtype=s.dtype,
+                                                     device=s.device)
+        return await self.sender.push(buckets, version)  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class AdapterInProcessPush:
+    """A LoRA backend's adapter alone to an engine that applies adapters in process."""
+
+    sync: EngineSync
+    engine: AdapterHost
+
+    async def push(self, backend: WeightSource, version: int) -> TransferStats:
+        from palaestra.engines.weights.weight_transfer import TransferStats
+
+        assert isinstance(backend, AdapterTrainer)  # choose_push checked it
+        start = time.perf_counter()
+        adapter = backend.adapter_for_engines()
+        if adapter is None:  # no adapter after all: the whole weights
+            return await WholeWeightsPush(self.sync).push(backend, version)
+        state, config = adapter
+        dtype = self.sync.dtype or getattr(self.engine, "dtype", None)  # what it computes in
+        if dtype is not None:
+            state = {k: v.to(dtype) for k, v in state.items()}
+        await self.engine.update_adapter(state, config, name=backend.lora.adapter_name,
+                                         version=version)
+        return TransferStats(time.perf_counter() - start,
+                             sum(t.numel() * t.element_size() for t in state.values()),
+                             len(state), 1)
+
+
+@dataclass(frozen=True)
+class WholeWeightsPush:
+    """The whole state dict through the engine's ``update_weights``: copied in process into the
+    embedded engine, or base64 tensors over HTTP to servers (``tensor``)."""
+
+    sync: EngineSync
+
+    async def push(self, backend: WeightSource, version: int) -> TransferStats:
+        from palaestra.engines.weights.weight_transfer import TransferStats
+
+        engine = self.sync.engine
+        start = time.perf_counter()
+        weights = backend.state_dict_for_engines(  # straight onto the engine's device
+            dtype=self.sync.dtype, device=getattr(engine, "device", "cpu"))
+        await engine.update_weights(weights, version=version)
+        unique = {t.data_ptr(): t for t in weights.values()}.values()  # tied weights count once
+        return TransferStats(time.perf_counter() - start,
+                             sum(t.numel() * t.element_size() for t in unique),
+                             len(weights), 1)
+
+
+def choose_push(sync: EngineSync, backend: WeightSource) -> SyncPush:
+    """The one path the weights of ``backend`` take to ``sync.engine``, from their types: the
+    backend's (`palaestra.contracts.AdapterTrainer` with ``lora`` set, a trainer group that
+    `PushesOwnWeights`) and the engine's (`palaestra.engine.AdapterHost`)."""
+    from palaestra.trainers.group.push import REMOTE_METHODS, PushesOwnWeights
+
+    adapter = trains_adapter(backend)
+    engine = sync.engine
+    if sync.lora_servers and adapter and not isinstance(engine, AdapterHost):
+        return AdapterToServersPush(sync)
+    if isinstance(backend, PushesOwnWeights) and sync.method in REMOTE_METHODS:
+        return GroupPush(sync)
+    if sync.sender is not None:
+        return SenderPush(sync, sync.sender)
+    if adapter and isinstance(engine, AdapterHost):
+        return AdapterInProcessPush(sync, engine)
+    return WholeWeightsPush(sync)
+
+
 @dataclass(frozen=True)
 class BackendWeights:
     """A `palaestra.engines.weights.push.WeightPush`: the training backend's current weights
@@ -373,4 +450,15 @@ def _neighbour_urls(engine: Any) -> tuple[str, ...]:
     return tuple(m.url for m in shared)
 
 
-__all__ = ["BackendWeights", "EngineSync", "resolve_method"]
+__all__ = [
+    "AdapterInProcessPush",
+    "AdapterToServersPush",
+    "BackendWeights",
+    "EngineSync",
+    "GroupPush",
+    "SenderPush",
+    "SyncPush",
+    "WholeWeightsPush",
+    "choose_push",
+    "resolve_method",
+]
