@@ -6,9 +6,8 @@ broadcast), CUDA IPC handles (``ipc``: servers colocated on this host's GPU map 
 memory, bucket by bucket), through disk, or base64 tensors over HTTP.
 `EngineSync.weights_of(backend)` is the `WeightPush` the rollout manager runs between pausing
 and resuming generation; `last` holds the timing of the newest push (logged as ``sync/*``).
-`choose_push` picks one push class per backend at its first push, from typed capabilities
-(`palaestra.engine.AdapterHost`, `palaestra.contracts.AdapterTrainer`, `PushesOwnWeights`):
-`AdapterToServersPush`, `GroupPush`, `SenderPush`, `AdapterInProcessPush`, `WholeWeightsPush`.
+`palaestra.run.weight_pushes.choose_push` picks one push class per backend at its first push,
+from typed capabilities.
 
 A trainer group pushing to servers (`palaestra.trainers.group.push.PushesOwnWeights`) sends the
 weights from its rank 0 itself: `EngineSync` gives it the path (`push_spec`: the method, the
@@ -23,11 +22,11 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from palaestra.contracts import AdapterTrainer, trains_adapter
-from palaestra.engine import AdapterHost, AdapterServing
+from palaestra.engine import AdapterServing
 from palaestra.errors import ConfigError
+from palaestra.run.weight_pushes import SyncPush, choose_push
 
 if TYPE_CHECKING:
     from palaestra.contracts import WeightSource
@@ -189,7 +188,7 @@ class EngineSync:
             bucket_bytes=self.bucket_bytes,
             dtype=None if self.dtype is None else str(self.dtype).removeprefix("torch."), **kw)
 
-    async def _push_from_group(self, backend: Any, version: int, client: Any = None
+    async def push_from_group(self, backend: Any, version: int, client: Any = None
                                ) -> TransferStats:
         """Rank 0 of ``backend`` pushes ``version`` (to ``client`` alone: a joining server);
         then the servers' versions are read back."""
@@ -210,7 +209,7 @@ class EngineSync:
         await asyncio.gather(*(c.get_model_info() for c in clients))  # their weight_version
         return stats
 
-    async def _push_adapter_to_servers(self, backend: Any, version: int) -> TransferStats:
+    async def push_adapter_to_servers(self, backend: Any, version: int) -> TransferStats:
         """Write the adapter as a peft folder, have every server load it under a versioned
         name (SGLang refuses to reload a loaded name), make it the engine's default adapter
         and unload the previous version. The servers must see this machine's disk."""
@@ -261,7 +260,7 @@ class EngineSync:
         )
 
         if self._pushes_itself(backend):  # a trainer group: from its rank 0
-            return await self._push_from_group(backend, version, client=client)
+            return await self.push_from_group(backend, version, client=client)
         s = self.sender
         if isinstance(s, DistributedWeightSender):
             one: Any = DistributedWeightSender(
@@ -320,113 +319,6 @@ class EngineSync:
             await self.sender.close()
 
 
-class SyncPush(Protocol):
-    """One way the weights of a backend reach the engines (one class per path)."""
-
-    async def push(self, backend: WeightSource, version: int) -> TransferStats: ...
-
-
-@dataclass(frozen=True)
-class AdapterToServersPush:
-    """A LoRA backend's adapter to SGLang servers: a peft folder they load by name."""
-
-    sync: EngineSync
-
-    async def push(self, backend: WeightSource, version: int) -> TransferStats:
-        return await self.sync._push_adapter_to_servers(backend, version)
-
-
-@dataclass(frozen=True)
-class GroupPush:
-    """A trainer group's rank 0 sends the weights to the servers itself."""
-
-    sync: EngineSync
-
-    async def push(self, backend: WeightSource, version: int) -> TransferStats:
-        return await self.sync._push_from_group(backend, version)
-
-
-@dataclass(frozen=True)
-class SenderPush:
-    """Buckets of the backend's weights through the sender of the path (NCCL/gloo broadcast,
-    disk, CUDA IPC)."""
-
-    sync: EngineSync
-    sender: Any
-
-    async def push(self, backend: WeightSource, version: int) -> TransferStats:
-        s = self.sync
-        buckets = backend.iter_engine_weight_buckets(s.bucket_bytes, dtype=s.dtype,
-                                                     device=s.device)
-        return await self.sender.push(buckets, version)  # type: ignore[no-any-return]
-
-
-@dataclass(frozen=True)
-class AdapterInProcessPush:
-    """A LoRA backend's adapter alone to an engine that applies adapters in process."""
-
-    sync: EngineSync
-    engine: AdapterHost
-
-    async def push(self, backend: WeightSource, version: int) -> TransferStats:
-        from palaestra.engines.weights.weight_transfer import TransferStats
-
-        assert isinstance(backend, AdapterTrainer)  # choose_push checked it
-        start = time.perf_counter()
-        adapter = backend.adapter_for_engines()
-        if adapter is None:  # no adapter after all: the whole weights
-            return await WholeWeightsPush(self.sync).push(backend, version)
-        state, config = adapter
-        dtype = self.sync.dtype or getattr(self.engine, "dtype", None)  # what it computes in
-        if dtype is not None:
-            state = {k: v.to(dtype) for k, v in state.items()}
-        await self.engine.update_adapter(state, config, name=backend.lora.adapter_name,
-                                         version=version)
-        return TransferStats(time.perf_counter() - start,
-                             sum(t.numel() * t.element_size() for t in state.values()),
-                             len(state), 1)
-
-
-@dataclass(frozen=True)
-class WholeWeightsPush:
-    """The whole state dict through the engine's ``update_weights``: copied in process into the
-    embedded engine, or base64 tensors over HTTP to servers (``tensor``)."""
-
-    sync: EngineSync
-
-    async def push(self, backend: WeightSource, version: int) -> TransferStats:
-        from palaestra.engines.weights.weight_transfer import TransferStats
-
-        engine = self.sync.engine
-        start = time.perf_counter()
-        weights = backend.state_dict_for_engines(  # straight onto the engine's device
-            dtype=self.sync.dtype, device=getattr(engine, "device", "cpu"))
-        await engine.update_weights(weights, version=version)
-        unique = {t.data_ptr(): t for t in weights.values()}.values()  # tied weights count once
-        return TransferStats(time.perf_counter() - start,
-                             sum(t.numel() * t.element_size() for t in unique),
-                             len(weights), 1)
-
-
-def choose_push(sync: EngineSync, backend: WeightSource) -> SyncPush:
-    """The one path the weights of ``backend`` take to ``sync.engine``, from their types: the
-    backend's (`palaestra.contracts.AdapterTrainer` with ``lora`` set, a trainer group that
-    `PushesOwnWeights`) and the engine's (`palaestra.engine.AdapterHost`)."""
-    from palaestra.trainers.group.push import REMOTE_METHODS, PushesOwnWeights
-
-    adapter = trains_adapter(backend)
-    engine = sync.engine
-    if sync.lora_servers and adapter and not isinstance(engine, AdapterHost):
-        return AdapterToServersPush(sync)
-    if isinstance(backend, PushesOwnWeights) and sync.method in REMOTE_METHODS:
-        return GroupPush(sync)
-    if sync.sender is not None:
-        return SenderPush(sync, sync.sender)
-    if adapter and isinstance(engine, AdapterHost):
-        return AdapterInProcessPush(sync, engine)
-    return WholeWeightsPush(sync)
-
-
 @dataclass(frozen=True)
 class BackendWeights:
     """A `palaestra.engines.weights.push.WeightPush`: the training backend's current weights
@@ -451,14 +343,7 @@ def _neighbour_urls(engine: Any) -> tuple[str, ...]:
 
 
 __all__ = [
-    "AdapterInProcessPush",
-    "AdapterToServersPush",
     "BackendWeights",
     "EngineSync",
-    "GroupPush",
-    "SenderPush",
-    "SyncPush",
-    "WholeWeightsPush",
-    "choose_push",
     "resolve_method",
 ]

@@ -16,10 +16,10 @@ import pytest
 
 from palaestra.contracts import AdapterTrainer, WeightSource, trains_adapter
 from palaestra.engine import AdapterHost, AdapterServing, MemoryReleasing
-from palaestra.run.engine_sync import (
+from palaestra.run.engine_sync import EngineSync
+from palaestra.run.weight_pushes import (
     AdapterInProcessPush,
     AdapterToServersPush,
-    EngineSync,
     GroupPush,
     SenderPush,
     WholeWeightsPush,
