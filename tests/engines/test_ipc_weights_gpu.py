@@ -7,7 +7,7 @@ CUDA IPC handles, 512 MiB buckets): its weights then equal the pushed ones, its 
 pushed one, and its greedy tokens match an in-process `LocalEngine` holding those weights. The
 push is timed against the ``tensor`` path (base64 safetensors over HTTP) and both are printed::
 
-    python -m pytest tests/rollout/test_ipc_weights_gpu.py -q -s
+    python -m pytest tests/engines/test_ipc_weights_gpu.py -q -s
 """
 
 from __future__ import annotations
