@@ -14,13 +14,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from palaestra.sandbox.base import LANGUAGES, Sandbox, SandboxSession
+from palaestra.sandbox.base import Sandbox, SandboxSession
 from palaestra.sandbox.config import DEFAULT_IMAGE, SandboxConfig
 from palaestra.sandbox.docker_backend import DockerSandbox
 from palaestra.sandbox.errors import IsolationUnavailableError, SandboxError, SandboxFileError
 from palaestra.sandbox.limiter import ExecLimiter
 from palaestra.sandbox.local import LocalSandbox
 from palaestra.sandbox.result import ExecResult
+from palaestra.sandbox.spec import LANGUAGES
 
 if TYPE_CHECKING:
     from palaestra.sandbox.integrity import judge_run
