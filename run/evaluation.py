@@ -1,10 +1,10 @@
-"""Evaluation during training, as trainers see it: the ``[benchmark_eval]`` config section and
+"""Evaluation during training, as the run sees it: the ``[benchmark_eval]`` config section and
 the `TrainingEvaluation` protocol the training loop calls.
 
 The implementation (`palaestra.benchmarks.training.TrainingEvaluator`, which runs benchmarks)
-sits above trainers in the dependency direction, so trainers never import it: they call
+sits above the run in the dependency direction, so the run never imports it: the loop calls
 `training_evaluator(...)`, which loads the implementation named in `_IMPLEMENTATION` (the one
-entry point core keeps for it) and returns it typed as the protocol.
+entry point the run keeps for it) and returns it typed as the protocol.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from palaestra.config import Section
 if TYPE_CHECKING:
     from palaestra.engine import Engine
 
-#: the benchmarks' evaluator, loaded on first use (benchmarks depend on trainers, not back)
+#: the benchmarks' evaluator, loaded on first use (benchmarks depend on the run, not back)
 _IMPLEMENTATION = ("palaestra.benchmarks.training", "TrainingEvaluator")
 
 
