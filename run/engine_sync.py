@@ -22,8 +22,9 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
+from palaestra.contracts import AdapterTrainer
 from palaestra.engine import AdapterServing
 from palaestra.errors import ConfigError
 from palaestra.run.weight_pushes import SyncPush, choose_push
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from palaestra.engines.clients.sglang import SGLangClient, SGLangEngine
     from palaestra.engines.weights.weight_transfer import TransferStats
     from palaestra.run.config import EngineSection
-    from palaestra.trainers.group.push import EnginePushSpec
+    from palaestra.trainers.group.push import EnginePushSpec, PushesOwnWeights
 
 
 def resolve_method(engine: EngineSection, *, colocate: bool = False) -> str:
@@ -150,7 +151,7 @@ class EngineSync:
         self.last = await entry[1].push(backend, version)
         return self.last
 
-    def _pushes_itself(self, backend: Any) -> bool:
+    def _pushes_itself(self, backend: object) -> TypeGuard[PushesOwnWeights]:
         """Whether ``backend`` (a trainer group) sends the weights to the servers itself."""
         from palaestra.trainers.group.push import REMOTE_METHODS, PushesOwnWeights
 
@@ -188,8 +189,8 @@ class EngineSync:
             bucket_bytes=self.bucket_bytes,
             dtype=None if self.dtype is None else str(self.dtype).removeprefix("torch."), **kw)
 
-    async def push_from_group(self, backend: Any, version: int, client: Any = None
-                               ) -> TransferStats:
+    async def push_from_group(self, backend: PushesOwnWeights, version: int,
+                              client: SGLangClient | None = None) -> TransferStats:
         """Rank 0 of ``backend`` pushes ``version`` (to ``client`` alone: a joining server);
         then the servers' versions are read back."""
         from palaestra.engines.weights.weight_transfer import DistributedWeightSender
@@ -209,7 +210,8 @@ class EngineSync:
         await asyncio.gather(*(c.get_model_info() for c in clients))  # their weight_version
         return stats
 
-    async def push_adapter_to_servers(self, backend: Any, version: int) -> TransferStats:
+    async def push_adapter_to_servers(self, backend: AdapterTrainer, version: int
+                                      ) -> TransferStats:
         """Write the adapter as a peft folder, have every server load it under a versioned
         name (SGLang refuses to reload a loaded name), make it the engine's default adapter
         and unload the previous version. The servers must see this machine's disk."""

@@ -38,6 +38,7 @@ class AdapterToServersPush:
     sync: EngineSync
 
     async def push(self, backend: WeightSource, version: int) -> TransferStats:
+        assert isinstance(backend, AdapterTrainer)  # choose_push checked it
         return await self.sync.push_adapter_to_servers(backend, version)
 
 
@@ -48,6 +49,9 @@ class GroupPush:
     sync: EngineSync
 
     async def push(self, backend: WeightSource, version: int) -> TransferStats:
+        from palaestra.trainers.group.push import PushesOwnWeights
+
+        assert isinstance(backend, PushesOwnWeights)  # choose_push checked it
         return await self.sync.push_from_group(backend, version)
 
 

@@ -10,17 +10,24 @@ callers.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palaestra.engines.local.deepseek import MLADecoder
 from palaestra.engines.local.model import Decoder
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+    Device = str | torch.device | None
+    DType = str | torch.dtype | None
 
 
 def _decoder_class(hf_config: Any) -> type[Decoder]:
     return MLADecoder if getattr(hf_config, "model_type", "") == "deepseek_v3" else Decoder
 
 
-def load_decoder(path: str | Path, device: Any, dtype: Any) -> Decoder:
+def load_decoder(path: str | Path, device: Device, dtype: DType) -> Decoder:
     """The decoder of the Hugging Face checkpoint directory ``path`` (its class by model type)."""
     from transformers import AutoConfig
 
@@ -30,7 +37,8 @@ def load_decoder(path: str | Path, device: Any, dtype: Any) -> Decoder:
     return _decoder_class(AutoConfig.from_pretrained(path)).from_pretrained(path, device, dtype)
 
 
-def decoder_from_hf_model(hf_model: Any, device: Any = None, dtype: Any = None) -> Decoder:
+def decoder_from_hf_model(hf_model: PreTrainedModel, device: Device = None,
+                          dtype: DType = None) -> Decoder:
     """The decoder of an in-memory transformers model (weights copied; its class by model type)."""
     return _decoder_class(hf_model.config).from_hf_model(hf_model, device, dtype)
 
