@@ -11,13 +11,13 @@ Nothing heavy is imported here: the tokenizer is passed in or loaded on first us
 
 from palaestra.agents.agent import Agent, TurnMarks
 from palaestra.agents.drift import DriftReport, compare_ids
-from palaestra.agents.hermes import HermesParser
-from palaestra.agents.llama import Llama3Parser
-from palaestra.agents.parsing import Parser, split_reasoning
+from palaestra.tool_parsers.hermes import HermesParser
+from palaestra.tool_parsers.llama import Llama3Parser
+from palaestra.tool_parsers.common import Parser, split_reasoning
 from palaestra.agents.renderers import FAMILIES, Renderer, get_renderer
 from palaestra.agents.spec import AgentSpec, load_tokenizer, make_agent
 from palaestra.agents.templating import ChatTemplate, TemplateDelta, TemplateDeltaError
-from palaestra.agents.text_protocols import PythonBlockParser, SearchR1Parser, extract_answer
+from palaestra.tool_parsers.text_protocols import PythonBlockParser, SearchR1Parser, extract_answer
 from palaestra.agents.transcript import TokenTranscript
 
 __all__ = [

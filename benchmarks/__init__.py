@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 from palaestra.benchmarks.metrics import maj_at_k, pass_at_k, task_metrics
 from palaestra.benchmarks.registry import (
-    Benchmark,
     get_benchmark,
     list_benchmarks,
     load_tasks,
     register_benchmark,
     unregister_benchmark,
 )
+from palaestra.benchmarks.spec import Benchmark
 
 if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr__` loads them
     from palaestra.benchmarks.runner import EvalSettings as EvalSettings

@@ -71,7 +71,7 @@ def _get_json(url: str, timeout_s: float = 10.0) -> Any:
 def _local(opts: BackendOptions) -> Any:
     from palaestra.agents import load_tokenizer
     from palaestra.benchmarks.policies import TokenPolicy
-    from palaestra.rollout.engines.local import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
 
     path = Path(opts.model).expanduser()
     if not (path / "config.json").is_file():
@@ -107,7 +107,7 @@ def _sglang(opts: BackendOptions) -> Any:
 
     from palaestra.agents import load_tokenizer
     from palaestra.benchmarks.policies import RetryingEngine, TokenPolicy
-    from palaestra.rollout.engines.sglang import SGLangEngine
+    from palaestra.engines.clients.sglang import SGLangEngine
 
     paths = {str((i or {}).get("model_path", "")) for i in infos}
     tokenizer_path = opts.tokenizer or str((infos[0] or {}).get("tokenizer_path") or "") or next(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from palaestra.benchmarks.registry import Benchmark
+from palaestra.benchmarks.spec import Benchmark
 
 
 def _mbpp_test_split(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -194,7 +194,7 @@ def _report(args: argparse.Namespace) -> int:
 
 def _trained_settings(args: argparse.Namespace) -> tuple[Any, str | None]:
     """The settings recorded beside ``--model`` (or ``--tokenizer``) and where, or (None, None)."""
-    from palaestra.benchmarks.trained_settings import FILENAME, read_trained_settings
+    from palaestra.trained_settings import FILENAME, read_trained_settings
 
     if args.no_trained_settings:
         return None, None
@@ -220,7 +220,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from palaestra.benchmarks.backends import BackendOptions, build_policy
     from palaestra.benchmarks.registry import resolve
     from palaestra.benchmarks.runner import EvalSettings, evaluate
-    from palaestra.benchmarks.trained_settings import TrainedSettings
+    from palaestra.trained_settings import TrainedSettings
     from palaestra.errors import ConfigError
 
     names = _split(args.benchmark)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from palaestra.benchmarks.spec import Benchmark
 from palaestra.benchmarks.registry import (
-    Benchmark,
     check_requirements,
     env_available,
     load_tasks,

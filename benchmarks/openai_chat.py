@@ -14,7 +14,7 @@ from typing import Any
 from palaestra.benchmarks.chat_episode import ChatReply
 from palaestra.benchmarks.limits import RateLimiter, describe_retry, with_retries
 from palaestra.errors import ConfigError, EngineError
-from palaestra.rollout.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.types import Message
 
 
@@ -45,7 +45,7 @@ class OpenAIChat:
         extra_body: Mapping[str, Any] | None = None,
         retry_base_s: float = 1.0,
     ) -> None:
-        from palaestra.rollout.engines.openai_engine import OpenAIEngine
+        from palaestra.engines.clients.openai_engine import OpenAIEngine
 
         self.base_url = base_url.rstrip("/")
         self.model = model

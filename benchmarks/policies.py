@@ -5,7 +5,7 @@
 - `ChatPolicy`: a `ChatModel` (`palaestra.benchmarks.openai_chat.OpenAIChat` for an
   OpenAI-compatible endpoint), as a message-level `ChatPlayer`.
 
-Both play through `palaestra.rollout.episode.play_episode`, the loop training uses, so parsers,
+Both play through `palaestra.rollout.play.play_episode`, the loop training uses, so parsers,
 rewards, limits and stop reasons are the same.
 
 Remote token-level engines go through `RetryingEngine`, which spaces requests under a rate limit
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from palaestra.benchmarks.chat_episode import ChatModel, ChatPlayer
 from palaestra.benchmarks.limits import RateLimiter, describe_retry, with_retries
-from palaestra.benchmarks.registry import Benchmark
+from palaestra.benchmarks.spec import Benchmark
 from palaestra.engine import Engine, Generation, SamplingParams
 from palaestra.errors import EngineError
-from palaestra.rollout.episode import play_episode
+from palaestra.rollout.play import play_episode
 from palaestra.types import Trajectory
 
 if TYPE_CHECKING:

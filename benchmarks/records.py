@@ -12,7 +12,7 @@ import zlib
 from typing import Any
 
 from palaestra.benchmarks.answers import comparable_answer, final_info, is_correct, raw_answer
-from palaestra.benchmarks.registry import Benchmark
+from palaestra.benchmarks.spec import Benchmark
 from palaestra.types import Trajectory
 
 #: Stage prefixes of episode errors that blame the engine, not the model or the env

@@ -19,11 +19,12 @@ from typing import Any, Protocol
 
 from palaestra.benchmarks.envpool import EnvPool, Tasks, preflight
 from palaestra.benchmarks.records import engine_failure, make_record, sample_seed
-from palaestra.benchmarks.registry import Benchmark, get_benchmark
+from palaestra.benchmarks.registry import get_benchmark
+from palaestra.benchmarks.spec import Benchmark
 from palaestra.benchmarks.store import SampleKey, SampleStore, check_run_meta, key_of, light
 from palaestra.benchmarks.summary import summarize, write_summary
 from palaestra.errors import ConfigError, EngineError
-from palaestra.rollout.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.rollout.episode import EpisodeRequest, Player
 from palaestra.types import StopReason, Trajectory
 

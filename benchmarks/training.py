@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from palaestra.engine import Engine
-from palaestra.evaluation import EvalConfig
+from palaestra.run.evaluation import EvalConfig
 
 
 def flatten(summaries: Mapping[str, Mapping[str, Any]], prefix: str = "eval") -> dict[str, float]:

@@ -24,7 +24,7 @@ Register it like any env and name it in the data rows::
                             agent="my_pkg.agent:solve", reward_fn="my_pkg.agent:score")
 
 Its class declares ``episode_kind = EpisodeKind.EXTERNAL_AGENT``: the rollout plays its
-episodes with that kind's runner (`palaestra.rollout.episode.RUNNERS`, the gateway's
+episodes with that kind's runner (`palaestra.rollout.play.RUNNERS`, the gateway's
 ``run_agent_episode``); an `ExternalAgentEnv` cannot be stepped message by message. (Not to be
 confused with `palaestra.agents.Agent`, the token transcript of the rollout's own loop.)
 """

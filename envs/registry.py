@@ -17,7 +17,7 @@ from typing import Any
 import gymnasium
 from gymnasium.envs.registration import EnvCreator
 
-from palaestra.errors import EnvNotFoundError, MissingExtraError
+from palaestra.errors import ConfigError, EnvNotFoundError, MissingExtraError
 
 NAMESPACE = "palaestra"
 
@@ -53,6 +53,21 @@ def register(env_id: str, entry_point: str | EnvCreator, **kwargs: Any) -> None:
     )
 
 
+def register_verifiers_id(taskset_id: str) -> str:
+    """Register ``verifiers/<taskset id>`` (a `VerifiersEnv` of that installed taskset) and
+    return it: ``make("verifiers:<taskset id>")`` goes through here (the env module loads only
+    when the env is made)."""
+    import re
+
+    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", taskset_id or ""):
+        raise ConfigError(f"'verifiers:{taskset_id}' is not a verifiers environment id; write "
+                          "make('verifiers:<taskset id>'), e.g. 'verifiers:my-taskset' (the "
+                          "installed package's name)")
+    env_id = "verifiers/" + taskset_id.replace("/", ".")
+    register(env_id, "palaestra.envs.ecosystem.verifiers_env:verifiers_env", taskset_id=taskset_id)
+    return env_id
+
+
 def register_builtin() -> None:
     for env_id, entry_point in BUILTIN_ENVS.items():
         register(env_id, entry_point)
@@ -86,8 +101,6 @@ def lookup(env_id: str) -> tuple[str, Any]:
     register_builtin()
     module, _, bare_id = env_id.rpartition(":")
     if module == "verifiers":  # "verifiers:<taskset id>": an installed verifiers environment
-        from palaestra.envs.ecosystem.verifiers_env import register_verifiers_id
-
         return lookup(register_verifiers_id(bare_id))
     if module:
         try:

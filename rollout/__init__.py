@@ -16,9 +16,10 @@ are not wrapped as Ray actors: the HTTP path is the one SGLang needs anyway, and
 updates, aborts and failover in one place.
 
 Modules: `episode` (the loop), `data` (data source), `groups` (filters), `worker` / `cluster` /
-`manager` (scale-out and batches), `tool_cache` (record/replay), `metrics`, `placement` (GPU
-plans), `config`, `testing` (scripted policies and faulty envs for tests and benchmarks). Samples
-become tensors in `palaestra.trainers.batching` (DP balance, micro-batches).
+`manager` (scale-out and batches), `tool_cache` (record/replay), `metrics`, `config`, `testing`
+(scripted policies and faulty envs for tests and benchmarks). GPU placement plans live in
+`palaestra.run.placement`. Samples become tensors in `palaestra.trainers.batching` (DP balance,
+micro-batches).
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr_
     from palaestra.rollout.episode import (
         TokenPlayer as TokenPlayer,
     )
-    from palaestra.rollout.episode import (
+    from palaestra.rollout.play import (
         play_episode as play_episode,
     )
-    from palaestra.rollout.episode import (
+    from palaestra.rollout.play import (
         run_episode as run_episode,
     )
     from palaestra.rollout.groups import (
@@ -81,22 +82,13 @@ if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr_
     from palaestra.rollout.metrics import (
         summarize as summarize,
     )
-    from palaestra.rollout.placement import (
-        PlacementConfig as PlacementConfig,
-    )
-    from palaestra.rollout.placement import (
-        PlacementPlan as PlacementPlan,
-    )
-    from palaestra.rollout.placement import (
-        plan_placement as plan_placement,
-    )
     from palaestra.rollout.tool_cache import (
         ToolCache as ToolCache,
     )
-    from palaestra.rollout.worker import (
+    from palaestra.rollout.groups import (
         GroupResult as GroupResult,
     )
-    from palaestra.rollout.worker import (
+    from palaestra.rollout.groups import (
         GroupTask as GroupTask,
     )
     from palaestra.rollout.worker import (
@@ -104,11 +96,11 @@ if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr_
     )
 
 _EXPORTS = {
-    "run_episode": "palaestra.rollout.episode",
+    "run_episode": "palaestra.rollout.play",
     "EpisodeState": "palaestra.rollout.episode",
     "EpisodeRequest": "palaestra.rollout.episode",
     "TokenPlayer": "palaestra.rollout.episode",
-    "play_episode": "palaestra.rollout.episode",
+    "play_episode": "palaestra.rollout.play",
     "DataSource": "palaestra.rollout.data",
     "TaskItem": "palaestra.rollout.data",
     "load_rows": "palaestra.rollout.data",
@@ -121,13 +113,10 @@ _EXPORTS = {
     "RolloutManager": "palaestra.rollout.manager",
     "RolloutBatch": "palaestra.rollout.manager",
     "RolloutWorker": "palaestra.rollout.worker",
-    "GroupTask": "palaestra.rollout.worker",
-    "GroupResult": "palaestra.rollout.worker",
+    "GroupTask": "palaestra.rollout.groups",
+    "GroupResult": "palaestra.rollout.groups",
     "ToolCache": "palaestra.rollout.tool_cache",
     "summarize": "palaestra.rollout.metrics",
-    "plan_placement": "palaestra.rollout.placement",
-    "PlacementPlan": "palaestra.rollout.placement",
-    "PlacementConfig": "palaestra.rollout.placement",
     "WorkerPool": "palaestra.rollout.cluster",
 }
 
@@ -139,8 +128,6 @@ __all__ = [
     "GroupFilter",
     "GroupResult",
     "GroupTask",
-    "PlacementConfig",
-    "PlacementPlan",
     "RolloutBatch",
     "RolloutConfig",
     "RolloutManager",
@@ -153,7 +140,6 @@ __all__ = [
     "judge_group",
     "load_rows",
     "nonzero_variance",
-    "plan_placement",
     "play_episode",
     "run_episode",
     "summarize",

@@ -41,7 +41,8 @@ from pydantic import Field, model_validator
 from palaestra.config import Section
 from palaestra.engine import SamplingParams, TokenGenerator
 from palaestra.errors import ConfigError
-from palaestra.rollout.episode import EpisodeState, run_episode
+from palaestra.rollout.episode import EpisodeState
+from palaestra.rollout.play import run_episode
 from palaestra.types import StopReason, Trajectory
 
 

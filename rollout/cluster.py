@@ -19,9 +19,10 @@ from typing import Any
 
 from palaestra.errors import ConfigError, MissingExtraError
 from palaestra.rollout.config import WorkerConfig
-from palaestra.rollout.engines.base import Engine
+from palaestra.engine import Engine
 from palaestra.rollout.inflight import SavedGroup
-from palaestra.rollout.worker import GroupResult, GroupTask, PauseReport, RolloutWorker
+from palaestra.rollout.groups import GroupResult, GroupTask, PauseReport
+from palaestra.rollout.worker import RolloutWorker
 
 CLUSTERS = ("ray", "local")
 

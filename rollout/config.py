@@ -25,7 +25,7 @@ from pydantic._internal._model_construction import ModelMetaclass  # pydantic.ma
 from palaestra.config import Problem, Section
 from palaestra.errors import ConfigError
 from palaestra.rollout.branching import BranchingConfig
-from palaestra.rollout.engines.base import Engine, SamplingParams
+from palaestra.engine import Engine, SamplingParams
 from palaestra.rollout.groups import GroupFilter
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class EngineSpec:
     def build(self) -> Engine:
         if self.factory is not None:
             return self.factory()
-        from palaestra.rollout.engines import Router, SGLangClient
+        from palaestra.engines import Router, SGLangClient
 
         kwargs = dict(self.client_kwargs)
         router_kwargs = kwargs.pop("router", {})

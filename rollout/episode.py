@@ -1,7 +1,8 @@
 """The one episode loop: `EpisodeRequest` in, `Trajectory` out, for training and evaluation.
 
-`play_episode(request)` looks at the env's ``episode_kind`` (`palaestra.episode_info.EpisodeKind`)
-and hands the request to that kind's runner in `RUNNERS`:
+`palaestra.rollout.play.play_episode(request)` looks at the env's ``episode_kind``
+(`palaestra.episode_info.EpisodeKind`) and hands the request to that kind's runner in
+`palaestra.rollout.play.RUNNERS` (this module imports nothing of the gateway):
 
 - ``stepped`` (every gymnasium env): `play_stepped`, the loop below;
 - ``external_agent`` (`palaestra.envs.ExternalAgentEnv`): the agent program plays its episode
@@ -30,7 +31,8 @@ still live (stop reason ``aborted``, ``state.halted_at`` set, no sample), so a b
 count at the start of the current turn, where `palaestra.rollout.inflight` rolls a saved
 episode back to (its resumed turn then samples with the same seed).
 
-`run_episode(env, agent, engine, sampling, ...)` is the token-level request written as a call.
+`palaestra.rollout.play.run_episode(env, agent, engine, sampling, ...)` is the token-level request
+written as a call.
 """
 
 from __future__ import annotations
@@ -40,11 +42,10 @@ import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from time import perf_counter, thread_time
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from palaestra.engine import SamplingParams, TokenGenerator
-from palaestra.episode_info import EpisodeKind, ResetInfo, StepInfo
+from palaestra.episode_info import ResetInfo, StepInfo
 from palaestra.types import Message, Sample, StopReason, Trajectory, Turn
 
 if TYPE_CHECKING:
@@ -143,55 +144,6 @@ class EpisodeRequest:
 
 
 EpisodeRunner = Callable[[EpisodeRequest], Awaitable[Trajectory]]
-
-
-# ---------------------------------------------------------------------- the runners of each kind
-async def _external_agent(request: EpisodeRequest) -> Trajectory:
-    from palaestra.rollout.gateway.agent_episode import run_agent_episode
-
-    return await run_agent_episode(request)
-
-
-async def _posted(request: EpisodeRequest) -> Trajectory:
-    from palaestra.rollout.gateway.external import run_external_episode
-
-    return await run_external_episode(request)
-
-
-async def play_episode(request: EpisodeRequest) -> Trajectory:
-    """Play one episode with the runner of the env's kind; never raises on failure."""
-    kind = getattr(request.env, "episode_kind", EpisodeKind.STEPPED)
-    runner = RUNNERS.get(kind)
-    if runner is None:
-        known = ", ".join(k.value for k in RUNNERS)
-        return failed_trajectory(request, f"episode: {type(request.env).__name__} declares "
-                                 f"episode_kind {kind!r}; known kinds: {known}")
-    return await runner(request)
-
-
-async def run_episode(
-    env: RolloutEnv,
-    agent: Agent,
-    engine: TokenGenerator,
-    sampling: SamplingParams,
-    *,
-    seed: int | None = None,
-    task: Mapping[str, Any] | None = None,
-    session_id: str | None = None,
-    max_turns: int | None = None,
-    step_timeout_s: float | None = None,
-    env_id: str = "",
-    group_id: str = "",
-    state: EpisodeState | None = None,
-    halt_at_turn: int | None = None,
-) -> Trajectory:
-    """Play one token-level episode (or resume ``state``): `play_episode` of the request with a
-    `TokenPlayer` of ``agent`` and ``engine``; never raises on failure."""
-    return await play_episode(EpisodeRequest(
-        env, TokenPlayer(agent, engine), sampling, seed=seed, task=task, session_id=session_id,
-        max_turns=max_turns, step_timeout_s=step_timeout_s, env_id=env_id, group_id=group_id,
-        state=state, halt_at_turn=halt_at_turn,
-    ))
 
 
 # ---------------------------------------------------------------------- the stepped loop
@@ -403,16 +355,7 @@ async def _bounded(awaitable: Awaitable[T], timeout_s: float | None) -> T:
     return await asyncio.wait_for(awaitable, timeout_s)
 
 
-#: the runner of each episode kind (read-only: a kind is part of the env contract in core)
-RUNNERS: Mapping[EpisodeKind, EpisodeRunner] = MappingProxyType({
-    EpisodeKind.STEPPED: play_stepped,
-    EpisodeKind.EXTERNAL_AGENT: _external_agent,
-    EpisodeKind.POSTED: _posted,
-})
-
-
 __all__ = [
-    "RUNNERS",
     "EpisodeRequest",
     "EpisodeRunner",
     "EpisodeState",
@@ -422,7 +365,5 @@ __all__ = [
     "TokenPlayer",
     "failed_trajectory",
     "finite_reward",
-    "play_episode",
     "play_stepped",
-    "run_episode",
 ]

@@ -9,7 +9,7 @@ import gc
 from collections.abc import Sequence
 from time import perf_counter
 
-from palaestra.rollout.engines.base import Engine, Generation, SamplingParams
+from palaestra.engine import Engine, Generation, SamplingParams
 
 
 class GatedEngine:

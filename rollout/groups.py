@@ -1,4 +1,5 @@
-"""Groups of n episodes per task, and the filters that decide which groups are trained on.
+"""Groups of n episodes per task (`GroupTask` out to a worker, `GroupResult` back, `PauseReport`
+of a pause), and the filters that decide which groups are trained on.
 
 A group filter is any callable ``filter(trajectories) -> bool`` (True = keep) over the finished,
 non-failed trajectories of one group. Dynamic sampling is the built-in ``"nonzero_variance"``
@@ -13,9 +14,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import ConfigError
 from palaestra.types import Trajectory
+
+if TYPE_CHECKING:
+    from palaestra.rollout.branching import Branching
 
 GroupFilter = Callable[[Sequence[Trajectory]], bool]
 
@@ -84,10 +89,45 @@ def judge_group(
     return GroupVerdict("kept", usable)
 
 
+# ---------------------------------------------------------------------- group data types
+@dataclass(frozen=True)
+class GroupTask:
+    """One task to play ``len(seeds)`` times."""
+
+    group_id: str
+    env_id: str
+    task: dict[str, Any]
+    task_id: str
+    seeds: tuple[int, ...]
+    #: play the group as trees that fork at these turns (`palaestra.rollout.branching`); the
+    #: seeds are then one per leaf
+    branching: Branching | None = None
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    """The finished episodes of one group."""
+
+    group_id: str
+    trajectories: tuple[Trajectory, ...]
+    worker: int
+
+
+@dataclass(frozen=True)
+class PauseReport:
+    """What one worker's `RolloutWorker.pause` parked."""
+
+    parked_groups: int
+    parked_episodes: int
+
+
 __all__ = [
     "BUILTIN_FILTERS",
     "GroupFilter",
+    "GroupResult",
+    "GroupTask",
     "GroupVerdict",
+    "PauseReport",
     "any_success",
     "judge_group",
     "nonzero_variance",

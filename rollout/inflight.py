@@ -57,7 +57,7 @@ class SavedEpisode:
 class SavedGroup:
     """A group of a worker: its task, and per episode a finished trajectory or a saved one."""
 
-    task: Any  # a `palaestra.rollout.worker.GroupTask`
+    task: Any  # a `palaestra.rollout.groups.GroupTask`
     finished: tuple[Trajectory | None, ...]
     live: tuple[SavedEpisode | None, ...]
 

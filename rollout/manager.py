@@ -58,11 +58,11 @@ from palaestra.rollout.branching import Branching
 from palaestra.rollout.cluster import WorkerClient, WorkerPool
 from palaestra.rollout.config import RolloutConfig, WorkerConfig
 from palaestra.rollout.data import DataSource, _mix
-from palaestra.rollout.engines.base import Engine
+from palaestra.engine import Engine
 from palaestra.rollout.groups import judge_group, resolve_filters
 from palaestra.rollout.metrics import summarize
-from palaestra.rollout.weight_push import WeightPush
-from palaestra.rollout.worker import GroupResult, GroupTask
+from palaestra.engines.weights.push import WeightPush
+from palaestra.rollout.groups import GroupResult, GroupTask
 from palaestra.types import Sample, Trajectory
 
 if TYPE_CHECKING:
@@ -600,8 +600,8 @@ class RolloutManager:
         engine object (``cluster="local"``) its router is the one to change, not this."""
         from dataclasses import replace
 
-        from palaestra.rollout.engines.router import Router
-        from palaestra.rollout.engines.sglang import SGLangClient
+        from palaestra.engines.clients.router import Router
+        from palaestra.engines.clients.sglang import SGLangClient
 
         spec = self.worker_config.engine
         if spec.owned or not spec.urls:

@@ -30,7 +30,7 @@ from palaestra.envs.calculator import CalculatorEnv, _format_number, evaluate_ar
 from palaestra.types import Message
 
 if TYPE_CHECKING:
-    from palaestra.rollout.engines.sglang import ServerProcess
+    from palaestra.engines.clients.sglang import ServerProcess
 
 FLAKY_ENV_ID = "palaestra-test/FlakyCalculator-v0"
 FLAKY_ENTRY = f"palaestra.rollout.testing:{FLAKY_ENV_ID}"
@@ -88,8 +88,8 @@ def canned_calculator_turns(tokenizer_path: str) -> tuple[list[int], list[int], 
 
 def scripted_router(tokenizer_path: str, n_engines: int = 2, latency_s: float = 0.0) -> Any:
     """A `Router` over ``n_engines`` canned calculator engines (tool call, then "42")."""
-    from palaestra.rollout.engines.router import Router
-    from palaestra.rollout.engines.scripted import ScriptedEngine
+    from palaestra.engines.clients.router import Router
+    from palaestra.engines.clients.scripted import ScriptedEngine
 
     call, answer, marker = canned_calculator_turns(tokenizer_path)
     engines = [
@@ -107,8 +107,8 @@ def serve_processes(model: str | Path, count: int, log_dir: str | Path, *,
     """``count`` CPU ``palaestra serve`` processes of ``model`` (logs ``serve-<i>.log`` in
     ``log_dir``), started together and healthy on entry, stopped on exit (a synchronous caller:
     a test fixture)."""
-    from palaestra.rollout.engines.serve import serve_process
-    from palaestra.rollout.engines.sglang import wait_all_ready
+    from palaestra.engines.serve.serve import serve_process
+    from palaestra.engines.clients.sglang import wait_all_ready
 
     procs = [serve_process(model, device="cpu", extra=extra, env=env,
                            log_path=Path(log_dir) / f"serve-{i}.log") for i in range(count)]

@@ -25,45 +25,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from palaestra.rollout.branching import Branching
 from palaestra.rollout.config import WorkerConfig
-from palaestra.rollout.engines.base import Engine
-from palaestra.rollout.episode import EpisodeState, run_episode
+from palaestra.engine import Engine
+from palaestra.rollout.episode import EpisodeState
+from palaestra.rollout.play import run_episode
 from palaestra.rollout.gate import GatedEngine, GcTuning
+from palaestra.rollout.groups import GroupResult, GroupTask, PauseReport
 from palaestra.types import StopReason, Trajectory
 
 MAX_ABORTS = 100  # an episode aborted more often than this (by the engine itself) fails
-
-
-@dataclass(frozen=True)
-class GroupTask:
-    """One task to play ``len(seeds)`` times."""
-
-    group_id: str
-    env_id: str
-    task: dict[str, Any]
-    task_id: str
-    seeds: tuple[int, ...]
-    #: play the group as trees that fork at these turns (`palaestra.rollout.branching`); the
-    #: seeds are then one per leaf
-    branching: Branching | None = None
-
-
-@dataclass(frozen=True)
-class GroupResult:
-    """The finished episodes of one group."""
-
-    group_id: str
-    trajectories: tuple[Trajectory, ...]
-    worker: int
-
-
-@dataclass(frozen=True)
-class PauseReport:
-    """What one worker's `RolloutWorker.pause` parked."""
-
-    parked_groups: int
-    parked_episodes: int
 
 
 @dataclass
@@ -341,8 +311,8 @@ class RolloutWorker:
         drained requests: ``finished`` and ``retried``."""
         spec = self.config.engine
         self.config = replace(self.config, engine=replace(spec, urls=tuple(urls)))
-        from palaestra.rollout.engines.router import Router
-        from palaestra.rollout.engines.sglang import SGLangClient
+        from palaestra.engines.clients.router import Router
+        from palaestra.engines.clients.sglang import SGLangClient
 
         router = self._engine
         out = {"finished": 0.0, "retried": 0.0}

@@ -1,6 +1,8 @@
 """Isolated code execution for agents: ``Sandbox`` (local or Docker), results, limits, probes.
 
-Light to import: the Docker SDK and the backends load only when used.
+Light to import: the Docker SDK loads only when used. Both backends (`LocalSandbox`,
+`DockerSandbox`) are imported here, which registers them with `Sandbox` (``Sandbox(backend=
+"docker")`` picks the class by name).
 
     from palaestra.sandbox import Sandbox
     async with Sandbox() as sb:
@@ -12,21 +14,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from palaestra.sandbox.base import LANGUAGES, Sandbox, SandboxSession
+from palaestra.sandbox.base import Sandbox, SandboxSession
 from palaestra.sandbox.config import DEFAULT_IMAGE, SandboxConfig
+from palaestra.sandbox.docker_backend import DockerSandbox
 from palaestra.sandbox.errors import IsolationUnavailableError, SandboxError, SandboxFileError
 from palaestra.sandbox.limiter import ExecLimiter
+from palaestra.sandbox.local import LocalSandbox
 from palaestra.sandbox.result import ExecResult
+from palaestra.sandbox.spec import LANGUAGES
 
 if TYPE_CHECKING:
-    from palaestra.sandbox.docker_backend import DockerSandbox
     from palaestra.sandbox.integrity import judge_run
-    from palaestra.sandbox.local import LocalSandbox
     from palaestra.sandbox.probe import IsolationReport
 
 _LAZY = {
-    "LocalSandbox": "palaestra.sandbox.local",
-    "DockerSandbox": "palaestra.sandbox.docker_backend",
     "probe_isolation": "palaestra.sandbox.probe",
     "IsolationReport": "palaestra.sandbox.probe",
     "judge_run": "palaestra.sandbox.integrity",

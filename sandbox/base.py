@@ -1,4 +1,5 @@
-"""The ``Sandbox`` interface: one async API over every backend, plus stateful sessions.
+"""The ``Sandbox`` interface: one async API over every backend, plus stateful sessions (the
+validated request every backend receives is `palaestra.sandbox.spec.RunSpec`).
 
 ``Sandbox(...)`` is also the factory (``backend="local"`` by default, or ``"docker"``)::
 
@@ -20,9 +21,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
@@ -30,99 +29,37 @@ from palaestra.errors import ConfigError, SandboxError
 from palaestra.sandbox.config import SandboxConfig
 from palaestra.sandbox.limiter import ExecLimiter
 from palaestra.sandbox.result import ExecResult
+from palaestra.sandbox.spec import (
+    FileMap,
+    RunSpec,
+    as_bytes,
+    check_relative_path,
+    make_spec,
+    spec_for_language,
+)
 
-#: language -> argv prefix that runs the code (python runs in a warm interpreter instead)
-SHELL_LANGUAGES: dict[str, tuple[str, ...]] = {"bash": ("bash", "-c"), "sh": ("sh", "-c")}
-LANGUAGES: tuple[str, ...] = ("python", *SHELL_LANGUAGES)
-MAX_TIMEOUT_S = 24 * 3600.0
-
-FileMap = Mapping[str, "bytes | str"]
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One validated execution request (what backends receive)."""
-
-    kind: str  # "python" (code in a warm interpreter) or "exec" (argv)
-    code: str
-    argv: tuple[str, ...]
-    timeout: float
-    stdin: bytes | None
-    files: tuple[tuple[str, bytes], ...]
-
-
-def check_relative_path(path: str) -> str:
-    """A normalised relative path inside the workspace, or SandboxError saying why not."""
-    if not isinstance(path, str) or not path or "\x00" in path:
-        raise SandboxError(f"bad file name {path!r}: use a non-empty relative path")
-    parts = [p for p in path.replace("\\", "/").split("/") if p not in ("", ".")]
-    if path.startswith("/") or not parts or any(p == ".." for p in parts):
-        raise SandboxError(f"bad file name {path!r}: use a relative path inside the workspace "
-                           "(no leading '/', no '..')")
-    return "/".join(parts)
-
-
-def _as_bytes(data: bytes | str, what: str) -> bytes:
-    if isinstance(data, str):
-        return data.encode("utf-8")
-    if isinstance(data, (bytes, bytearray, memoryview)):
-        return bytes(data)
-    raise SandboxError(f"{what} must be bytes or str, got {type(data).__name__}")
-
-
-def make_spec(kind: str, code: str, argv: Sequence[str], timeout: float,
-              stdin: bytes | str | None, files: FileMap | None) -> RunSpec:
-    """Validate the arguments of run/run_command (raises SandboxError for caller mistakes)."""
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or \
-            not math.isfinite(timeout) or not 0 < timeout <= MAX_TIMEOUT_S:
-        raise SandboxError(f"timeout must be a number of seconds in (0, {MAX_TIMEOUT_S:.0f}], "
-                           f"got {timeout!r}")
-    if kind == "python" and not isinstance(code, str):
-        raise SandboxError(f"code must be a str, got {type(code).__name__}")
-    if kind == "exec":
-        if isinstance(argv, str) or not argv or not all(isinstance(a, str) for a in argv):
-            raise SandboxError(f"argv must be a non-empty list of strings, got {argv!r}")
-        if any("\x00" in a for a in argv):
-            raise SandboxError("argv entries cannot contain NUL bytes")
-    items: list[tuple[str, bytes]] = []
-    if files is not None:
-        if not isinstance(files, Mapping):
-            raise SandboxError(f"files must be a mapping name -> bytes, got {type(files).__name__}")
-        for name, data in files.items():
-            items.append((check_relative_path(name), _as_bytes(data, f"files[{name!r}]")))
-    raw_stdin = None if stdin is None else _as_bytes(stdin, "stdin")
-    return RunSpec(kind=kind, code=code, argv=tuple(argv), timeout=float(timeout),
-                   stdin=raw_stdin, files=tuple(items))
-
-
-def spec_for_language(code: str, language: str, timeout: float, stdin: bytes | str | None,
-                      files: FileMap | None) -> RunSpec:
-    if language == "python":
-        return make_spec("python", code, (), timeout, stdin, files)
-    if language in SHELL_LANGUAGES:
-        if not isinstance(code, str):
-            raise SandboxError(f"code must be a str, got {type(code).__name__}")
-        return make_spec("exec", code, (*SHELL_LANGUAGES[language], code), timeout, stdin, files)
-    raise SandboxError(f"unsupported language {language!r}; choose one of {', '.join(LANGUAGES)} "
-                       "(or use run_command(argv) for anything else)")
+#: backend name -> its class: each backend registers itself by subclassing `Sandbox` with its
+#: ``backend_name`` (`palaestra.sandbox` imports both backends, so ``Sandbox(backend=...)`` finds
+#: them without this module importing its own subclasses)
+_BACKENDS: dict[str, type[Sandbox]] = {}
 
 
 def _backend_class(backend: str) -> type[Sandbox]:
-    if backend == "local":
-        from palaestra.sandbox.local import LocalSandbox
-
-        return LocalSandbox
-    if backend == "docker":
-        from palaestra.sandbox.docker_backend import DockerSandbox
-
-        return DockerSandbox
-    raise ConfigError(f"unknown sandbox backend {backend!r}; choose 'local' or 'docker'")
+    cls = _BACKENDS.get(backend)
+    if cls is None:
+        raise ConfigError(f"unknown sandbox backend {backend!r}; choose 'local' or 'docker'")
+    return cls
 
 
 class Sandbox(abc.ABC):
     """Async sandbox for untrusted code. ``Sandbox(...)`` builds the ``backend`` asked for."""
 
     backend_name = "abstract"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.backend_name != "abstract":  # the first class of a name is the backend
+            _BACKENDS.setdefault(cls.backend_name, cls)
 
     def __new__(cls, *args: Any, backend: str | None = None, **kwargs: Any) -> Sandbox:
         if cls is Sandbox:
@@ -383,7 +320,7 @@ class SandboxSession:
     async def write_file(self, path: str, data: bytes | str) -> None:
         """Create or replace a file in the workspace (parent directories are created)."""
         rel = check_relative_path(path)
-        raw = _as_bytes(data, "data")
+        raw = as_bytes(data, "data")
         await self.open()
         self._need_open()
         async with self._lock:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from palaestra.errors import MissingExtraError, SandboxError
-from palaestra.sandbox.base import RunSpec, Sandbox
+from palaestra.sandbox.base import Sandbox
+from palaestra.sandbox.spec import RunSpec
 from palaestra.sandbox.isolation import DEV_FILES, clean_env
 from palaestra.sandbox.outcome import result_from_frame
 from palaestra.sandbox.requests import ZygoteRequests, file_reply

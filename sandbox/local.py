@@ -20,7 +20,8 @@ import tempfile
 from typing import Any
 
 from palaestra.errors import ConfigError, SandboxError
-from palaestra.sandbox.base import RunSpec, Sandbox, make_spec
+from palaestra.sandbox.base import Sandbox
+from palaestra.sandbox.spec import RunSpec, make_spec
 from palaestra.sandbox.cgroups import PidsCgroup
 from palaestra.sandbox.errors import IsolationUnavailableError
 from palaestra.sandbox.isolation import (

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from palaestra.sandbox.base import RunSpec
+from palaestra.sandbox.spec import RunSpec
 from palaestra.sandbox.config import SandboxConfig
 from palaestra.sandbox.errors import SandboxFileError
 from palaestra.sandbox.inner.framing import pack

@@ -1,4 +1,7 @@
-"""Trainers: RL/SFT/DPO algorithms, training backends, batching and the training loops.
+"""Trainers, the learners: RL/SFT/DPO algorithms, training backends, batching, the trainer group.
+
+The run around them (the loops, config, engines and weight sync) is `palaestra.run`; trainers
+import neither it nor `palaestra.rollout` (samples arrive as core's `Sample`).
 
 Subpackages are imported on demand and this module imports nothing heavy:
 

@@ -225,9 +225,9 @@ def _ratios(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 async def main_async(quick: bool) -> dict[str, Any]:
     from palaestra.agents import AgentSpec
     from palaestra.envs import make
-    from palaestra.rollout.engines.base import SamplingParams
-    from palaestra.rollout.engines.local import LocalEngine
-    from palaestra.rollout.engines.scripted import ScriptedEngine
+    from palaestra.engine import SamplingParams
+    from palaestra.engines.local.local import LocalEngine
+    from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy
     from palaestra.tiny_model import build_model
 

@@ -117,7 +117,7 @@ def _errors(batch: int, lo: int, hi: int, seed: int) -> dict[str, float]:
     """Max |error| vs the float32 reference: both paths in bf16 and in float32."""
     import torch
 
-    from palaestra.rollout.engines.decode_attention import decode_attention, dense_reference
+    from palaestra.engines.local.decode_attention import decode_attention, dense_reference
 
     out: dict[str, float] = {}
     for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
@@ -138,7 +138,7 @@ def _graph_replay_exact(batch: int, lo: int, hi: int, seed: int) -> float:
     """Capture the kernel once, change the lengths in place, replay: max |error| vs reference."""
     import torch
 
-    from palaestra.rollout.engines.decode_attention import decode_attention, dense_reference
+    from palaestra.engines.local.decode_attention import decode_attention, dense_reference
 
     x = _inputs(batch, lo, hi, torch.float32, seed)
     scale = HEAD_DIM ** -0.5
@@ -164,7 +164,7 @@ def measure(batch: int, lo: int, hi: int, calls: int, replays: int, peak: float,
             configs: dict[str, Any], seed: int = 0) -> dict[str, Any]:
     import torch
 
-    from palaestra.rollout.engines.decode_attention import decode_attention, num_splits
+    from palaestra.engines.local.decode_attention import decode_attention, num_splits
 
     x = _inputs(batch, lo, hi, torch.bfloat16, seed)
     q, k, v, lengths, key_len = x["q"], x["k"], x["v"], x["lengths"], x["key_len"]
@@ -197,7 +197,7 @@ def measure(batch: int, lo: int, hi: int, calls: int, replays: int, peak: float,
 
 
 def sweep_configs() -> dict[str, Any]:
-    from palaestra.rollout.engines.decode_attention import DEFAULT, KernelConfig
+    from palaestra.engines.local.decode_attention import DEFAULT, KernelConfig
 
     return {
         "kernel": DEFAULT,
@@ -218,7 +218,7 @@ def sweep_configs() -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from palaestra.rollout.engines.decode_attention import DEFAULT
+    from palaestra.engines.local.decode_attention import DEFAULT
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", default="256,64")

@@ -9,7 +9,7 @@ GPU (random-init Qwen3-0.6B shape, bf16, CUDA graphs)::
     python -m palaestra.benchmarks.perf.engine --device cuda --shape qwen3-0.6b --batch 256
 
 ``--decode-attention triton`` runs decode attention through the split-KV kernel
-(`palaestra.rollout.engines.decode_attention`) instead of the dense batched GEMMs;
+(`palaestra.engines.local.decode_attention`) instead of the dense batched GEMMs;
 ``--no-graph-sampling`` samples after each graph replay instead of inside the graph.
 
 Sections:
@@ -65,7 +65,7 @@ def _best(fn: Any, repeats: int) -> float:
 
 # ----------------------------------------------------------------------------------- engines
 def _engine_run(engine: Any, prompts: list[list[int]], new_tokens: int) -> float:
-    from palaestra.rollout.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
 
@@ -178,7 +178,7 @@ def _episode_tokens(tokenizer: Any) -> tuple[list[int], list[list[int]]]:
 
 def multi_turn(engine: Any, hf: Any, tokenizer: Any, episodes: int, turn_tokens: int,
                repeats: int) -> dict[str, Any]:
-    from palaestra.rollout.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
 
     first, deltas = _episode_tokens(tokenizer)
     turns = len(deltas) + 1
@@ -237,7 +237,7 @@ def gpu_model(shape: str) -> Any:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from palaestra.trainers.dry_run import NAMED_SHAPES
+    from palaestra.run.dry_run import NAMED_SHAPES
 
     card = {k: v for k, v in NAMED_SHAPES[shape].items() if k != "model_type"}
     config = Qwen3Config(**card, eos_token_id=151645, pad_token_id=151643)
@@ -260,7 +260,7 @@ def bandwidth_bound(engine: Any, batch: int, prompt_tokens: int, new_tokens: int
 def run_gpu(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from palaestra.rollout.engines.local import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
 
     name = torch.cuda.get_device_name()
     peak = args.peak_bw_gbs or next((v for k, v in PEAK_BW_GBS.items() if k in name), None)
@@ -299,7 +299,7 @@ def run_cpu(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from palaestra.rollout.engines.local import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
     from palaestra.tiny_model import build_model
 
     torch.set_num_threads(args.threads)

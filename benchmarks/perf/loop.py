@@ -191,8 +191,8 @@ def child(spec_file: Path) -> int:
     """Run one cell (the spec written by the parent) and write its raw result beside it."""
     spec = json.loads(spec_file.read_text())
     from palaestra.config import load_config
-    from palaestra.trainers.config import TrainConfig
-    from palaestra.trainers.loop import train
+    from palaestra.run.config import TrainConfig
+    from palaestra.run.loop import train
 
     cfg = load_config(TrainConfig, spec["config"], spec["overrides"])
     sampler = _Sampler(Path(cfg.out) / "metrics.jsonl")

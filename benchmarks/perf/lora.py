@@ -68,7 +68,7 @@ async def _decode_s(engines: dict[str, Any], batch: int, new_tokens: int, rounds
                     ) -> dict[str, float]:
     """Best-of-``rounds`` seconds of one decode batch per engine, the engines interleaved in
     every round (so a busy spell of the shared CPU hits all of them alike)."""
-    from palaestra.rollout.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
 
     sp = SamplingParams(max_new_tokens=new_tokens, temperature=0, ignore_eos=True)
     prompts = [[(7 * i + j) % 500 + 3 for j in range(16)] for i in range(batch)]
@@ -89,9 +89,9 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
 
     from palaestra.benchmarks.perf.weight_sync import build_checkpoint
-    from palaestra.rollout.engines.local import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
     from palaestra.trainers.algorithms.config import LossConfig
-    from palaestra.trainers.engine_sync import EngineSync
+    from palaestra.run.engine_sync import EngineSync
     from palaestra.trainers.torch_backend.backend import TorchBackend
     from palaestra.trainers.torch_backend.config import TorchBackendConfig
     from palaestra.trainers.torch_backend.lora import LoraSettings

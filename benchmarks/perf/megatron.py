@@ -34,7 +34,7 @@ SHAPES = ("0.6b", "1.7b", "4b")  # Qwen3 model cards, from trainers.dry_run.NAME
 
 def qwen3_config(name: str) -> dict[str, Any]:
     """The HF config fields of the Qwen3 model card ``name`` ("1.7b")."""
-    from palaestra.trainers.dry_run import NAMED_SHAPES
+    from palaestra.run.dry_run import NAMED_SHAPES
 
     return dict(NAMED_SHAPES[f"qwen3-{name}"])
 

@@ -135,7 +135,7 @@ async def component_costs(model: str, episodes: int = 200) -> dict[str, float]:
     from palaestra.agents import AgentSpec
     from palaestra.envs import make
     from palaestra.rollout import run_episode
-    from palaestra.rollout.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
     from palaestra.rollout.testing import scripted_router
 
     engine = scripted_router(model, 1)
@@ -152,7 +152,7 @@ async def component_costs(model: str, episodes: int = 200) -> dict[str, float]:
 
 
 def _serve(model: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    from palaestra.rollout.engines.serve import serve_argv
+    from palaestra.engines.serve.serve import serve_argv
 
     proc = subprocess.Popen(
         serve_argv(model, port=0, extra=("--threads", "1", "--max-running", "64")),
@@ -171,7 +171,7 @@ def _serve(model: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
 async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, float]]:
     from palaestra.agents import AgentSpec
     from palaestra.rollout import EngineSpec, WorkerConfig, WorkerPool
-    from palaestra.rollout.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
     from palaestra.rollout.testing import scripted_router
 
     model = _model(Path(args.model_dir))

@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         url, out, stop = args.probe
         return _probe(url, out, stop, interval_s=0.02)
 
-    from palaestra.rollout.engines.serve import serve_process
+    from palaestra.engines.serve.serve import serve_process
 
     tmp = Path(tempfile.mkdtemp(prefix="serve-load-"))
     model = args.model

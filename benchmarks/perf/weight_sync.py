@@ -72,10 +72,10 @@ async def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file
 
-    from palaestra.rollout.engines.local import LocalEngine
-    from palaestra.rollout.engines.serve import serve_process
-    from palaestra.rollout.engines.sglang import SGLangClient
-    from palaestra.rollout.engines.weight_transfer import (
+    from palaestra.engines.local.local import LocalEngine
+    from palaestra.engines.serve.serve import serve_process
+    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.weights.weight_transfer import (
         DiskWeightSender,
         DistributedWeightSender,
         IpcWeightSender,

@@ -34,6 +34,7 @@ import inspect
 import json
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -54,6 +55,26 @@ DEFAULT_PROMPT = "Explore the tools you have: call a few of them and summarise w
 
 #: (command or url) -> OpenAI schemas of its tools, discovered once per process.
 _SCHEMA_CACHE: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
+
+
+#: the shipped example MCP server (the notes server), relative to the package root
+SERVER_RELATIVE = Path("examples") / "mcp_notes" / "server.py"
+
+
+def notes_server_path() -> Path:
+    """The shipped notes server (next to the package in a wheel, else in the repository)."""
+    here = Path(__file__)
+    candidates = [
+        here.parent.parent.parent / SERVER_RELATIVE,  # wheel: palaestra/examples/mcp_notes
+        here.resolve().parent.parent.parent / SERVER_RELATIVE,  # editable: <repo>/examples
+    ]
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(
+        f"cannot find the MCP notes example server (looked in {', '.join(map(str, candidates))}); "
+        "reinstall palaestra or pass command=['python', 'path/to/server.py']"
+    )
 
 
 @dataclass
@@ -110,8 +131,6 @@ class MCPEnv(ToolEnv):
                 "server) or url='http://host:port/mcp' (streamable HTTP), not both"
             )
         if command is None and url is None:  # playing and checks: the shipped example server
-            from palaestra.envs.ecosystem.notes import notes_server_path
-
             command = ["python", str(notes_server_path())]
         if task is not None and (tasks is not None or kwargs.get("dataset") is not None):
             raise ConfigError("give either task=... (one task) or tasks=[...] (a task set), not both")

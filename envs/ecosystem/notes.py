@@ -14,35 +14,16 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
-from palaestra.envs.ecosystem.mcp_env import MCPEnv, MCPEpisode
-from palaestra.errors import ConfigError
+from palaestra.envs.ecosystem.mcp_env import MCPEnv, MCPEpisode, notes_server_path
 
-SERVER_RELATIVE = Path("examples") / "mcp_notes" / "server.py"
 _KEYS = ("shopping", "todo", "ideas", "books", "travel", "gifts", "recipes", "work", "garden")
 _WORDS = ("milk", "eggs", "call mum", "buy stamps", "read dune", "paris", "tea", "fix bike",
           "plant tulips", "send report", "bread", "socks")
 _ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
-
-
-def notes_server_path() -> Path:
-    """The shipped notes server (next to the package in a wheel, else in the repository)."""
-    here = Path(__file__)
-    candidates = [
-        here.parent.parent.parent / SERVER_RELATIVE,  # wheel: palaestra/examples/mcp_notes
-        here.resolve().parent.parent.parent / SERVER_RELATIVE,  # editable: <repo>/examples
-    ]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise ConfigError(
-        f"cannot find the MCP notes example server (looked in {', '.join(map(str, candidates))}); "
-        "reinstall palaestra or pass command=['python', 'path/to/server.py']"
-    )
 
 
 def make_notes_task(rng: np.random.Generator) -> dict[str, Any]:

@@ -41,22 +41,6 @@ from palaestra.errors import ConfigError, MissingExtraError
 from palaestra.types import Message
 
 
-def register_verifiers_id(taskset_id: str) -> str:
-    """Register ``verifiers/<taskset id>`` (a `VerifiersEnv` of that installed taskset) and
-    return it: ``make("verifiers:<taskset id>")`` goes through here."""
-    import re
-
-    from palaestra.envs.registry import register
-
-    if not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", taskset_id or ""):
-        raise ConfigError(f"'verifiers:{taskset_id}' is not a verifiers environment id; write "
-                          "make('verifiers:<taskset id>'), e.g. 'verifiers:my-taskset' (the "
-                          "installed package's name)")
-    env_id = "verifiers/" + taskset_id.replace("/", ".")
-    register(env_id, "palaestra.envs.ecosystem.verifiers_env:verifiers_env", taskset_id=taskset_id)
-    return env_id
-
-
 def _vf() -> Any:
     try:
         import verifiers.v1 as vf

@@ -17,7 +17,8 @@ from palaestra.envs.search.bm25 import BM25Retriever, shared_bm25
 from palaestra.envs.search.corpus import Document, Hit, format_hits, load_corpus
 from palaestra.envs.search.env import SearchR1Env, SearchR1ToolsEnv
 from palaestra.envs.search.http import HTTPRetriever, RetrievalError
-from palaestra.envs.search.retriever import Retriever, make_retriever
+from palaestra.envs.search.retriever import Retriever
+from palaestra.envs.search.retrievers import make_retriever
 
 __all__ = [
     "BM25Retriever",

@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 from palaestra.envs.base import MultiTurnEnv, StepResult
 from palaestra.envs.rewards import exact_match, extract_tag, f1_score, sub_exact_match
 from palaestra.envs.search.corpus import Hit, format_hits
-from palaestra.envs.search.retriever import Retriever, make_retriever
+from palaestra.envs.search.retriever import Retriever
+from palaestra.envs.search.retrievers import make_retriever
 from palaestra.envs.shipped import load_rows
 from palaestra.envs.tool_env import ToolEnv
 from palaestra.envs.tools import tool

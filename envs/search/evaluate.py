@@ -14,7 +14,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from palaestra.envs.search.retriever import Retriever, make_retriever
+from palaestra.envs.search.retriever import Retriever
+from palaestra.envs.search.retrievers import make_retriever
 from palaestra.envs.shipped import load_rows
 
 

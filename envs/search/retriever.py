@@ -1,7 +1,7 @@
-"""The retriever interface and `make_retriever`, which turns a config value into a retriever.
+"""The retriever interface (`Retriever`): queries in, ranked `Hit`s out.
 
-``"bm25"`` is the local BM25 index over the shipped corpus (or ``corpus=...``), shared by every env
-of the process; an ``http(s)://`` URL is a Search-R1-compatible retrieval server.
+Its implementations (`palaestra.envs.search.bm25`, `palaestra.envs.search.http`) import it;
+`palaestra.envs.search.retrievers.make_retriever` picks one from a config value.
 """
 
 from __future__ import annotations
@@ -9,10 +9,8 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Sequence
-from pathlib import Path
 
 from palaestra.envs.search.corpus import Hit
-from palaestra.errors import ConfigError
 
 
 class Retriever(abc.ABC):
@@ -29,28 +27,3 @@ class Retriever(abc.ABC):
 
     def close(self) -> None:
         """Release resources (idempotent)."""
-
-
-def make_retriever(
-    spec: str | Retriever = "bm25",
-    *,
-    corpus: str | Path | None = None,
-    timeout_s: float = 30.0,
-    retries: int = 3,
-) -> Retriever:
-    """A retriever from ``"bm25"``, an ``http://host:port[/retrieve]`` URL, or an instance."""
-    if isinstance(spec, Retriever):
-        return spec
-    if spec == "bm25":
-        from palaestra.envs.search.bm25 import shared_bm25
-
-        return shared_bm25(corpus)
-    if isinstance(spec, str) and spec.startswith(("http://", "https://")):
-        from palaestra.envs.search.http import HTTPRetriever
-
-        return HTTPRetriever(spec, timeout_s=timeout_s, retries=retries)
-    raise ConfigError(
-        f"unknown retriever {spec!r}: use 'bm25' (local index over the corpus), the URL of a "
-        "Search-R1 retrieval server (e.g. http://127.0.0.1:8000/retrieve, which "
-        "`palaestra serve-retriever` provides), or a Retriever instance"
-    )

@@ -1,7 +1,7 @@
 """`run_agent_episode`: one `ExternalAgentEnv` episode, played by the agent program through the
 gateway.
 
-The runner of ``EpisodeKind.EXTERNAL_AGENT`` in `palaestra.rollout.episode.RUNNERS`: it takes the
+The runner of ``EpisodeKind.EXTERNAL_AGENT`` in `palaestra.rollout.play.RUNNERS`: it takes the
 same `EpisodeRequest` and gives the same output as the stepped loop (a `Trajectory` with
 token-exact `Sample`s, never an exception), so rollout workers and the evaluation harness play
 `ExternalAgentEnv`s like any env. The request's player must be a `TokenPlayer`: its agent (the

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from palaestra.rollout.groups import GroupFilter, judge_group, resolve_filters
-from palaestra.rollout.worker import GroupResult
+from palaestra.rollout.groups import GroupResult
 from palaestra.types import Sample, Trajectory
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from palaestra.errors import ConfigError
 from palaestra.rollout.gateway.validation import BufferConflictError, PostLimits, parse_post
-from palaestra.rollout.worker import GroupResult
+from palaestra.rollout.groups import GroupResult
 from palaestra.types import Trajectory
 
 # name -> live buffer, for in-process workers that reach a buffer by its name (a worker config

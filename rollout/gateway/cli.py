@@ -75,9 +75,9 @@ async def _main(args: argparse.Namespace) -> None:
     from palaestra.agents import load_tokenizer
     from palaestra.asyncio_utils import wait_for_stop_signal
     from palaestra.errors import ConfigError
-    from palaestra.rollout.engines.base import EngineUnavailableError, SamplingParams
-    from palaestra.rollout.engines.router import Router
-    from palaestra.rollout.engines.sglang import SGLangClient
+    from palaestra.engine import EngineUnavailableError, SamplingParams
+    from palaestra.engines.clients.router import Router
+    from palaestra.engines.clients.sglang import SGLangClient
     from palaestra.rollout.gateway.auth import GatewayKeys
     from palaestra.rollout.gateway.buffer import TrajectoryBuffer
     from palaestra.rollout.gateway.engine_info import engine_context, resolve_max_context

@@ -24,7 +24,7 @@ from typing import Any
 
 from palaestra.errors import RolloutError, TrajectoryValidationError
 from palaestra.rollout.gateway.validation import trajectory_to_wire
-from palaestra.rollout.worker import GroupResult
+from palaestra.rollout.groups import GroupResult
 from palaestra.types import Trajectory
 
 

@@ -141,7 +141,7 @@ async def engine_health(engine: TokenGenerator, timeout_s: float = HEALTH_TIMEOU
         ok = health is not None and bool(await asyncio.wait_for(health(), timeout_s))
     except Exception:  # noqa: BLE001 - a health probe that fails or times out is a no
         ok = False
-    from palaestra.rollout.engines.router import Router
+    from palaestra.engines.clients.router import Router
 
     if isinstance(engine, Router):  # one entry per engine
         members = engine.status()

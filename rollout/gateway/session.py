@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from palaestra.errors import PalaestraError
-from palaestra.rollout.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.rollout.gateway.ledger import CallRecord, SampleLedger
 from palaestra.rollout.gateway.template import ChatTokens, same_reply
 from palaestra.types import Message, Sample, StopReason, Turn

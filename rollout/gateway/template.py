@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from palaestra.agents.parsing import split_reasoning
+from palaestra.tool_parsers.common import split_reasoning
 from palaestra.agents.renderers import Renderer
 from palaestra.agents.templating import ChatTemplate, TemplateDeltaError
 from palaestra.types import Message

@@ -74,7 +74,7 @@ class JudgeSource:
         if self._engine is not None or self._chat is not None:
             return
         if cfg.engine == "openai":
-            from palaestra.rollout.engines.openai_engine import OpenAIEngine
+            from palaestra.engines.clients.openai_engine import OpenAIEngine
 
             key = os.environ.get(cfg.api_key_env, "") if cfg.api_key_env else "none"
             # retries are the reward worker's (it also fails the episode with the reason)
@@ -85,11 +85,11 @@ class JudgeSource:
 
         self._tokenizer = load_tokenizer(str(cfg.tokenizer or cfg.path))
         if cfg.engine == "local":
-            from palaestra.rollout.engines import LocalEngine
+            from palaestra.engines import LocalEngine
 
             self._engine = LocalEngine(cfg.path, device=cfg.device, max_running=cfg.batch_size)
         else:
-            from palaestra.rollout.engines import SGLangClient
+            from palaestra.engines import SGLangClient
 
             self._engine = SGLangClient(str(cfg.url), retries=0)
 
@@ -103,7 +103,7 @@ class JudgeSource:
                 msg = await self._chat.chat(prompt, temperature=cfg.temperature,
                                             max_tokens=cfg.max_new_tokens)
                 return str(msg.content)
-            from palaestra.rollout.engines.base import SamplingParams
+            from palaestra.engine import SamplingParams
 
             ids = self._tokenizer.apply_chat_template(prompt, tokenize=True,
                                                       add_generation_prompt=True)

@@ -1,8 +1,9 @@
 """palaestra: a Gym-style platform for training LLM agents with reinforcement learning.
 
 Importing this package is cheap: it loads no torch, ray, sglang, megatron or docker. The
-components live in subpackages (``palaestra.envs``, ``palaestra.agents``, ``palaestra.rollout``,
-``palaestra.sandbox``, ``palaestra.trainers``, ``palaestra.benchmarks``, and the core
+components live in subpackages (``palaestra.envs``, ``palaestra.agents``, ``palaestra.engines``,
+``palaestra.rollout``, ``palaestra.sandbox``, ``palaestra.trainers``, ``palaestra.run``,
+``palaestra.benchmarks``, and the core
 ``palaestra.tool_parsers``) imported on first attribute access: ``import palaestra;
 palaestra.envs.make(...)`` works.
 """
@@ -18,8 +19,10 @@ from palaestra.types import Message, Sample, StopReason, ToolCall, Trajectory, T
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time `__getattr__` imports on first use
     from palaestra import agents as agents
     from palaestra import benchmarks as benchmarks
+    from palaestra import engines as engines
     from palaestra import envs as envs
     from palaestra import rollout as rollout
+    from palaestra import run as run
     from palaestra import sandbox as sandbox
     from palaestra import tool_parsers as tool_parsers
     from palaestra import trainers as trainers
@@ -27,7 +30,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time `__getattr__` impor
 __version__ = "0.1.0"
 
 #: subpackages imported on first attribute access (``palaestra.envs`` after ``import palaestra``)
-_SUBPACKAGES = ("agents", "benchmarks", "envs", "rollout", "sandbox", "tool_parsers", "trainers")
+_SUBPACKAGES = ("agents", "benchmarks", "engines", "envs", "rollout", "run", "sandbox",
+                "tool_parsers", "trainers")
 
 
 def __getattr__(name: str) -> Any:

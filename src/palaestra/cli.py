@@ -17,12 +17,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "envs": ("palaestra.envs.cli", "list, check and play environments"),
     "sandbox": ("palaestra.sandbox.cli", "inspect the code sandbox (doctor) and run code in it"),
     "init-model": ("palaestra.tiny_model", "build the tiny local model and tokenizer (no downloads)"),
-    "serve": ("palaestra.rollout.engines.serve", "serve a model with the embedded engine over HTTP"),
+    "serve": ("palaestra.engines.serve.serve", "serve a model with the embedded engine over HTTP"),
     "serve-retriever": ("palaestra.envs.search.serve", "serve a BM25 index with the Search-R1 API"),
-    "train": ("palaestra.trainers.cli", "train a policy (RL, SFT, DPO) from a TOML config"),
+    "train": ("palaestra.run.cli", "train a policy (RL, SFT, DPO) from a TOML config"),
     "eval": ("palaestra.benchmarks.cli", "evaluate a model on benchmarks; compare runs"),
     "gateway": ("palaestra.rollout.gateway.cli", "OpenAI-compatible gateway for external agents"),
-    "engines": ("palaestra.trainers.engines_cli",
+    "engines": ("palaestra.run.engines_cli",
                 "add, remove and list the engines of a running training run"),
 }
 

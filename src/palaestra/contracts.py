@@ -97,4 +97,26 @@ class TrainerBackend(WeightSource, Protocol[BatchT_contra, LossT_contra]):
         ...
 
 
-__all__ = ["Observation", "RolloutEnv", "TrainerBackend", "WeightSource"]
+@runtime_checkable
+class AdapterTrainer(Protocol):
+    """A backend that can train a LoRA adapter: with ``lora`` set, only the adapter goes to
+    engines that host adapters (`palaestra.engine.AdapterHost`, `AdapterServing`)."""
+
+    lora: Any
+
+    def adapter_for_engines(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """The adapter's state dict and peft config (None without one)."""
+        ...
+
+    def export_adapter(self, directory: str | Path) -> Path:
+        """The adapter as a peft folder in ``directory``."""
+        ...
+
+
+def trains_adapter(backend: object) -> bool:
+    """Whether ``backend`` trains a LoRA adapter now (an `AdapterTrainer` with ``lora`` set)."""
+    return isinstance(backend, AdapterTrainer) and backend.lora is not None
+
+
+__all__ = ["AdapterTrainer", "Observation", "RolloutEnv", "TrainerBackend", "WeightSource",
+           "trains_adapter"]

@@ -208,4 +208,47 @@ class Engine(TokenGenerator, Protocol):
     async def close(self) -> None: ...
 
 
-__all__ = ["Engine", "EngineUnavailableError", "Generation", "SamplingParams", "TokenGenerator"]
+# ---------------------------------------------------------------------- capabilities
+# What an engine can do beyond `Engine`, checked once with ``isinstance`` where a run is built
+# (e.g. `palaestra.run.engine_sync.choose_push`), never probed with ``hasattr`` per call.
+
+
+@runtime_checkable
+class AdapterHost(Protocol):
+    """Applies a trainer's LoRA adapter in process (the embedded engine)."""
+
+    async def update_adapter(self, state: Mapping[str, Any], config: Mapping[str, Any], *,
+                             name: str = "policy", version: int | None = None) -> None: ...
+
+
+@runtime_checkable
+class AdapterServing(Protocol):
+    """Loads and unloads named LoRA adapters from folders (SGLang's ``/load_lora_adapter``);
+    ``default_lora`` is the adapter a request without one is served with."""
+
+    default_lora: str | None
+
+    async def load_lora_adapter(self, name: str, path: str) -> Any: ...
+
+    async def unload_lora_adapter(self, name: str) -> Any: ...
+
+
+@runtime_checkable
+class MemoryReleasing(Protocol):
+    """Frees its GPU memory while a colocated trainer trains and takes it back afterwards."""
+
+    async def release_memory(self, tags: Sequence[str] | None = None) -> None: ...
+
+    async def resume_memory(self, tags: Sequence[str] | None = None) -> None: ...
+
+
+__all__ = [
+    "AdapterHost",
+    "AdapterServing",
+    "Engine",
+    "EngineUnavailableError",
+    "Generation",
+    "MemoryReleasing",
+    "SamplingParams",
+    "TokenGenerator",
+]

@@ -3,7 +3,7 @@
 `EpisodeKind` is what an env class declares (``episode_kind``) to say how its episodes are played:
 stepped message by message by the rollout's loop (every gymnasium env), by an external agent
 program through the agent gateway, or replayed from posted trajectories. The rollout maps each
-kind to its runner (`palaestra.rollout.episode.RUNNERS`); envs name no rollout module.
+kind to its runner (`palaestra.rollout.play.RUNNERS`); envs name no rollout module.
 
 Reset and step info: what an env tells the rollout besides observations and rewards.
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from palaestra.rollout.engines.base import Generation
+from palaestra.engine import Generation
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -6,7 +6,7 @@ import pytest
 
 from palaestra.agents import Agent, compare_ids, get_renderer
 from palaestra.errors import TokenDriftError
-from palaestra.rollout.engines.base import Generation
+from palaestra.engine import Generation
 from palaestra.types import Message
 
 QUESTION = Message("user", "What is 12 * 7 + 3?")
@@ -192,8 +192,8 @@ async def test_pooled_agents_check_drift_at_the_configured_rate(tokenizer_dir):
         RolloutManager,
         WorkerConfig,
     )
-    from palaestra.rollout.engines.base import SamplingParams
-    from palaestra.rollout.engines.scripted import ScriptedEngine
+    from palaestra.engine import SamplingParams
+    from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy
 
     rows = [{"env_id": "palaestra/Calculator-v0", "id": f"t{i}", "question": f"What is {i} + 1?",

@@ -9,7 +9,7 @@ import pytest
 
 from palaestra.agents import Agent, get_renderer
 from palaestra.errors import ConfigError, EngineError, RolloutError, TokenDriftError
-from palaestra.rollout.engines.base import Generation
+from palaestra.engine import Generation
 from palaestra.types import Message, Sample, StopReason, ToolCall
 
 SYSTEM = Message("system", "Use the calculator, then answer with <answer>N</answer>.")

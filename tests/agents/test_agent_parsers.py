@@ -16,7 +16,7 @@ from palaestra.agents import (
     extract_answer,
     split_reasoning,
 )
-from palaestra.agents.parsing import scan_object
+from palaestra.tool_parsers.common import scan_object
 
 CALC = '{"name": "calculator", "arguments": {"expression": "2 + 3"}}'
 

@@ -5,7 +5,7 @@ import pytest
 from palaestra.agents import AgentSpec
 from palaestra.agents.demonstrations import demonstration_to_sample
 from palaestra.errors import ConfigError
-from palaestra.rollout.engines.base import Generation
+from palaestra.engine import Generation
 from palaestra.types import Message
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "d", "parameters": {}}}]

@@ -7,7 +7,7 @@ import pytest
 
 from palaestra.agents import Agent, ChatTemplate, TemplateDeltaError, TokenTranscript
 from palaestra.errors import EngineError
-from palaestra.rollout.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.rollout.gateway.session import Session, SessionLimits
 from palaestra.rollout.gateway.template import ChatTokens
 from palaestra.types import Message

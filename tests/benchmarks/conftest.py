@@ -80,7 +80,7 @@ class GoldEngine:
         request_id: str | None = None,
         session_id: str | None = None,
     ) -> Any:
-        from palaestra.rollout.engines.base import Generation
+        from palaestra.engine import Generation
 
         self.requests += 1
         if self.block_after is not None and self.requests > self.block_after:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from palaestra.benchmarks.trained_settings import (
+from palaestra.trained_settings import (
     FILENAME,
     TrainedSettings,
     read_trained_settings,
@@ -93,8 +93,8 @@ def trained_run(tmp_path_factory, model_dir):
     import torch
 
     from palaestra.config import load_config
-    from palaestra.trainers.config import TrainConfig
-    from palaestra.trainers.loop import train
+    from palaestra.run.config import TrainConfig
+    from palaestra.run.loop import train
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("as-trained")
@@ -119,7 +119,7 @@ def test_the_export_records_the_training_settings(trained_run):
 
 
 def test_eval_of_the_final_model_equals_the_held_out_success(trained_run, tmp_path, capsys):
-    from palaestra.rollout.tasks import tasks_from_env
+    from palaestra.run.tasks import tasks_from_env
 
     cfg, run = trained_run
     logged = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]

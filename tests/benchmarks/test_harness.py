@@ -193,7 +193,7 @@ class _FailingEngine:
         self.requests = 0
 
     async def generate(self, input_ids, sampling, *, request_id=None, session_id=None):
-        from palaestra.rollout.engines.base import EngineUnavailableError
+        from palaestra.engine import EngineUnavailableError
 
         self.requests += 1
         raise EngineUnavailableError("HTTP 503 from http://127.0.0.1:1/generate")

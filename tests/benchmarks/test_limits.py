@@ -8,7 +8,7 @@ import pytest
 
 from palaestra.benchmarks.limits import RateLimiter, is_retryable, retry_after_s, status_of, with_retries
 from palaestra.errors import ConfigError, EngineError
-from palaestra.rollout.engines.base import EngineUnavailableError
+from palaestra.engine import EngineUnavailableError
 
 
 class HTTPStatusError(Exception):

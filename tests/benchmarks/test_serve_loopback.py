@@ -16,8 +16,8 @@ from palaestra.benchmarks.runner import EvalSettings, evaluate
 
 @pytest.fixture
 async def served(model_dir):
-    from palaestra.rollout.engines.local import LocalEngine
-    from palaestra.rollout.engines.serve import start_server
+    from palaestra.engines.local.local import LocalEngine
+    from palaestra.engines.serve.serve import start_server
 
     engine = LocalEngine(model_dir, device="cpu")
     server = await start_server(engine)

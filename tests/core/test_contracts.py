@@ -1,5 +1,5 @@
 """The seams' contracts in core (`palaestra.engine`, `palaestra.contracts`) fit the real classes,
-and the old import paths still name the same objects."""
+and each has one import path."""
 
 from __future__ import annotations
 
@@ -11,19 +11,22 @@ from palaestra.contracts import RolloutEnv, TrainerBackend, WeightSource
 from palaestra.engine import Engine, Generation, SamplingParams
 
 
-def test_old_engine_paths_name_the_core_contract() -> None:
-    from palaestra.rollout import engines
-    from palaestra.rollout.engines import base
+def test_the_engine_contract_has_one_home() -> None:
+    """The engine contract lives in core (`palaestra.engine`) alone: the engines package names
+    the same objects and no module re-exports them under another path."""
+    import importlib.util
+
+    import palaestra.engine as core_engine
+    from palaestra import engines
 
     for name in ("Engine", "Generation", "SamplingParams", "EngineUnavailableError"):
-        assert getattr(base, name) is getattr(engines, name)
-    assert base.Generation is Generation and base.SamplingParams is SamplingParams
-    assert base.Engine is Engine
+        assert getattr(engines, name) is getattr(core_engine, name)
+    assert importlib.util.find_spec("palaestra.engines.base") is None  # the old shim is gone
 
 
 def test_engines_and_envs_satisfy_their_protocols() -> None:
     from palaestra.envs import make
-    from palaestra.rollout.engines import ScriptedEngine
+    from palaestra.engines import ScriptedEngine
 
     engine = ScriptedEngine([1, 2, 3])
     assert isinstance(engine, Engine)

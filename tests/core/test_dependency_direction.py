@@ -1,12 +1,17 @@
-"""The dependency direction of shared/ARCHITECTURE.md, checked over every module's imports.
+"""The dependency direction of docs/architecture.md, checked over every module's imports.
 
-core <- sandbox <- envs <- agents <- rollout <- trainers, and benchmarks may use everything but
-trainers never import envs nor benchmarks. A module may import its own component, core, and the
-components below it. Checked: top-level and function-level ``import``/``from`` statements
-(including those under ``if TYPE_CHECKING:``; a type is a dependency too) and string literals
-that name a ``palaestra.<component>`` module (``"palaestra.envs.search:SearchEnv"`` entry points,
-``importlib.import_module`` tables), since a module path in a string is an import a reader cannot
-follow. Exceptions are the short list below, each with its reason.
+    core <- {sandbox <- envs <- agents, engines} <- {rollout, trainers} <- run <- benchmarks
+
+``engines`` depends on core only (never sandbox, envs or agents); ``rollout`` and ``trainers``
+are peers (neither imports the other: samples cross as core's `Sample`); ``run`` (the
+``palaestra train`` application) assembles everything below it and nothing below imports it;
+``benchmarks`` (the eval harness and perf scripts) sit on top. A module may import its own
+component, core, and the components below it. Checked: top-level and function-level
+``import``/``from`` statements (including those under ``if TYPE_CHECKING:``; a type is a
+dependency too) and string literals that name a ``palaestra.<component>`` module
+(``"palaestra.envs.search:SearchEnv"`` entry points, ``importlib.import_module`` tables), since a
+module path in a string is an import a reader cannot follow. Exceptions are the short list
+below, each with its reason.
 """
 
 from __future__ import annotations
@@ -19,11 +24,15 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "src" / "palaestra"
 
 #: rank of each layer: a module may depend on layers of lower or equal rank
-RANK = {"core": 0, "sandbox": 1, "envs": 2, "agents": 3, "rollout": 4, "trainers": 5,
-        "benchmarks": 6}
+RANK = {"core": 0, "sandbox": 1, "engines": 1, "envs": 2, "agents": 3, "rollout": 4,
+        "trainers": 4, "run": 5, "benchmarks": 6}
 COMPONENTS = tuple(c for c in RANK if c != "core")
 #: (importer layer, imported layer) pairs refused even though the rank allows them
-FORBIDDEN = {("trainers", "envs"), ("trainers", "benchmarks")}
+FORBIDDEN = {
+    ("engines", "sandbox"), ("sandbox", "engines"),  # peers on the first floor
+    ("rollout", "trainers"), ("trainers", "rollout"),  # peers: the sample contract is core's
+    ("trainers", "envs"), ("trainers", "agents"),  # learners see token ids, not messages
+}
 
 #: (file relative to the repo root, imported module prefix): reason. Keep this list short.
 ALLOWED: dict[tuple[str, str], str] = {
@@ -31,9 +40,9 @@ ALLOWED: dict[tuple[str, str], str] = {
         "the CLI dispatch table names each component's command module (imported on demand)",
     ("src/palaestra/__init__.py", "palaestra."):
         "the package face imports its subpackages lazily on attribute access",
-    ("src/palaestra/evaluation.py", "palaestra.benchmarks.training"):
-        "core's one entry point for the training-time evaluator: trainers call it through the "
-        "TrainingEvaluation protocol, the benchmarks (above trainers) implement it",
+    ("run/evaluation.py", "palaestra.benchmarks.training"):
+        "the run's one entry point for the training-time evaluator: the loop calls it through "
+        "the TrainingEvaluation protocol, the benchmarks (above run) implement it",
 }
 
 _MODULE_STRING = re.compile(r"palaestra\.([A-Za-z_]\w*)(?:\.[A-Za-z_]\w*)*(?::[A-Za-z_][\w.]*)?")
@@ -133,7 +142,7 @@ def test_scanner_sees_every_kind_of_import() -> None:
         "RUNNER = 'palaestra.rollout.episode:run_episode'\n"
         "MSG = 'see palaestra.envs for details'\n"
     )
-    found = imports_of(ast.parse(src), "trainers/loop.py")
+    found = imports_of(ast.parse(src), "run/loop.py")
     modules = {(line, module, how) for line, module, how in found}
     assert (3, "palaestra.envs.base", "import") in modules
     assert (4, "palaestra.benchmarks.runner", "import") in modules
@@ -152,7 +161,7 @@ def test_every_component_is_scanned() -> None:
 def test_imports_follow_the_dependency_direction() -> None:
     bad = violations()
     assert not bad, (
-        "imports against core <- sandbox <- envs <- agents <- rollout <- trainers (benchmarks "
-        "on top; trainers never import envs or benchmarks). Move the shared piece to core or "
-        "invert through a registry/protocol:\n" + "\n".join(bad)
+        "imports against core <- {sandbox <- envs <- agents, engines} <- {rollout, trainers} <- "
+        "run <- benchmarks (rollout and trainers are peers; engines see core only). Move the "
+        "shared piece to core or invert through a registry/protocol:\n" + "\n".join(bad)
     )

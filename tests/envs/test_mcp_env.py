@@ -20,7 +20,7 @@ import pytest
 pytest.importorskip("mcp")
 
 from palaestra.envs import make
-from palaestra.envs.ecosystem.notes import notes_server_path
+from palaestra.envs.ecosystem.mcp_env import notes_server_path
 from palaestra.types import Message, StopReason, ToolCall
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -87,8 +87,8 @@ class NotesPolicy:
 async def test_notes_episode_through_the_rollout_path(tokenizer_dir):
     from palaestra.agents import make_agent
     from palaestra.rollout import run_episode
-    from palaestra.rollout.engines.base import SamplingParams
-    from palaestra.rollout.engines.scripted import ScriptedEngine
+    from palaestra.engine import SamplingParams
+    from palaestra.engines.clients.scripted import ScriptedEngine
 
     env = make("palaestra/MCPNotes-v0")
     agent = make_agent(tokenizer_dir, "qwen", max_context=2048)
@@ -154,8 +154,8 @@ def test_tool_errors_state_per_episode_and_close():
 async def test_crashing_server_is_a_failed_episode_with_its_error(tokenizer_dir):
     from palaestra.agents import make_agent
     from palaestra.rollout import run_episode
-    from palaestra.rollout.engines.base import SamplingParams
-    from palaestra.rollout.engines.scripted import ScriptedEngine
+    from palaestra.engine import SamplingParams
+    from palaestra.engines.clients.scripted import ScriptedEngine
 
     env = make("palaestra/MCP-v0", command=["python", SERVER, "--crash-on", "boom"])
     tok = make_agent(tokenizer_dir, "qwen").tokenizer
@@ -300,8 +300,8 @@ def test_short_grpo_run_on_a_real_mcp_server(tmp_path, tokenizer_dir, monkeypatc
     """Two GRPO steps of the real training loop; every episode starts a sandboxed notes server
     (the task's setup call), and its reward is read back from that server."""
     from palaestra.config import load_config
-    from palaestra.trainers.config import TrainConfig
-    from palaestra.trainers.loop import train
+    from palaestra.run.config import TrainConfig
+    from palaestra.run.loop import train
 
     (tmp_path / "mcp_train_reward.py").write_text(TRAIN_REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))

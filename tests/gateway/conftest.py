@@ -32,7 +32,7 @@ def tokenizer(model_dir):
 
 @pytest.fixture
 async def engine(model_dir, tokenizer):
-    from palaestra.rollout.engines.local import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
 
     eng = LocalEngine(model_dir, tokenizer=tokenizer, device="cpu", seed=0)
     yield eng
@@ -105,7 +105,7 @@ def steer():
 @pytest.fixture
 async def served(engine, tokenizer):
     """A gateway over a recording engine, served on 127.0.0.1: (gateway, server, recorder)."""
-    from palaestra.rollout.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
     from palaestra.rollout.gateway import Gateway, serve_gateway
 
     rec = Recording(engine)

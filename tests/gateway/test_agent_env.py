@@ -15,8 +15,8 @@ import pytest
 from palaestra.agents import make_agent
 from palaestra.envs.external_agent import ExternalAgentEnv
 from palaestra.errors import ConfigError
-from palaestra.rollout.engines.base import SamplingParams
-from palaestra.rollout.episode import run_episode
+from palaestra.engine import SamplingParams
+from palaestra.rollout.play import run_episode
 from palaestra.rollout.gateway import close_gateways, gateway_for
 from palaestra.types import StopReason
 

@@ -200,7 +200,7 @@ async def test_a_posted_trajectory_is_trained_on(model_dir, tokenizer):
 
 
 async def test_a_finished_gateway_session_lands_in_the_buffer(engine, tokenizer):
-    from palaestra.rollout.engines.base import SamplingParams
+    from palaestra.engine import SamplingParams
     from palaestra.rollout.gateway import Gateway
 
     gateway = Gateway(engine, tokenizer, sampling=SamplingParams(max_new_tokens=6, seed=1))

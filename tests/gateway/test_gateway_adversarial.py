@@ -200,8 +200,8 @@ def test_a_max_context_above_the_engines_is_refused_at_start(engine_url, model_d
 async def test_an_engine_refusal_for_length_is_context_length_exceeded(engine_url, tokenizer):
     """A gateway told a larger context than the engine's (an engine restarted smaller): the
     engine's 400 becomes ``context_length_exceeded`` and a truncated episode, not a 502."""
-    from palaestra.rollout.engines.router import Router
-    from palaestra.rollout.engines.sglang import SGLangClient
+    from palaestra.engines.clients.router import Router
+    from palaestra.engines.clients.sglang import SGLangClient
     from palaestra.rollout.gateway import Gateway
     from palaestra.rollout.gateway.engine_info import engine_context
     from palaestra.rollout.gateway.session import GatewayError

@@ -9,7 +9,7 @@ import json
 import openai
 import pytest
 
-from palaestra.rollout.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.rollout.gateway import Gateway, serve_gateway
 from palaestra.types import Message
 

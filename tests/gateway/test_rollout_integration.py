@@ -11,7 +11,7 @@ import pytest
 from palaestra.agents import AgentSpec
 from palaestra.envs.registry import register
 from palaestra.rollout import DataSource, EngineSpec, RolloutConfig, RolloutManager, WorkerConfig
-from palaestra.rollout.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.rollout.gateway import (
     BufferSource,
     TrajectoryBuffer,

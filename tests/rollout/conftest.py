@@ -1,6 +1,7 @@
-"""Fixtures of the rollout tests: the micro model and its tokenizer (built once), and one small
-Ray cluster with a pool of two rollout workers shared by every Ray test (each test's manager
-reconfigures the pool instead of starting new processes). Helpers live in `rollout_helpers`."""
+"""Fixtures of the rollout tests: the micro model and its tokenizer (built once), and a pool of two
+rollout workers on the session's Ray cluster (`ray_cluster`, tests/conftest.py) shared by every
+Ray test (each test's manager reconfigures the pool instead of starting new processes). Helpers
+live in `rollout_helpers`."""
 
 from __future__ import annotations
 
@@ -27,18 +28,6 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tokenizer_dir(model_dir) -> str:
     return model_dir
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    ray = pytest.importorskip("ray")
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        runtime_env={"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}},
-    )
-    yield ray
-    ray.shutdown()
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,8 @@ def worker_config(tokenizer_dir: str, *, p_correct: float = 0.5, latency_s: floa
                   **kwargs):
     from palaestra.agents import AgentSpec
     from palaestra.rollout import EngineSpec, WorkerConfig
-    from palaestra.rollout.engines.base import SamplingParams
-    from palaestra.rollout.engines.scripted import ScriptedEngine
+    from palaestra.engine import SamplingParams
+    from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy
 
     factory = functools.partial(

@@ -15,9 +15,12 @@ def test_public_names():
     assert {
         "run_episode", "EpisodeState", "DataSource", "RolloutManager", "RolloutBatch",
         "RolloutConfig", "WorkerConfig", "EngineSpec", "WorkerPool", "RolloutWorker",
-        "ToolCache", "plan_placement",
+        "ToolCache",
         "nonzero_variance",
     } <= set(rollout.__all__)
+    from palaestra.run import placement  # GPU plans belong to the run, not to the rollout
+
+    assert {"plan_placement", "PlacementConfig", "PlacementPlan"} <= set(placement.__all__)
     for name in rollout.__all__:
         assert getattr(rollout, name) is not None
 
@@ -36,7 +39,7 @@ def test_signatures_the_training_loop_uses():
 def test_import_is_light():
     code = ("import sys, palaestra.rollout as r\n"
             "from palaestra.rollout import RolloutManager, run_episode, DataSource, ToolCache\n"
-            "from palaestra.rollout.placement import plan_placement\n"
+            "from palaestra.run.placement import plan_placement\n"
             "print(','.join(m for m in ('ray', 'torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""

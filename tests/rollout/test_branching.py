@@ -18,7 +18,7 @@ from palaestra.rollout.branching import (
     expected_generated_ratio,
     play_branching_group,
 )
-from palaestra.rollout.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 
 TASK = {"id": "t7", "question": "What is 17 + 25?", "answer": "42"}
 
@@ -26,7 +26,7 @@ TASK = {"id": "t7", "question": "What is 17 + 25?", "answer": "42"}
 def _worker_config(tokenizer_dir: str, n_calls: int = 2) -> Any:
     from palaestra.agents import AgentSpec
     from palaestra.rollout import EngineSpec, WorkerConfig
-    from palaestra.rollout.engines.scripted import ScriptedEngine
+    from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy
 
     factory = functools.partial(ScriptedEngine, CalculatorPolicy(tokenizer_dir, p_correct=0.5,
@@ -37,7 +37,8 @@ def _worker_config(tokenizer_dir: str, n_calls: int = 2) -> Any:
 
 
 async def _play_group(tokenizer_dir: str, branching: Branching | None, n: int = 8) -> Any:
-    from palaestra.rollout.worker import GroupTask, RolloutWorker
+    from palaestra.rollout.groups import GroupTask
+    from palaestra.rollout.worker import RolloutWorker
 
     worker = RolloutWorker(_worker_config(tokenizer_dir))
     task = GroupTask("g1", "palaestra/Calculator-v0", TASK, "t7",
@@ -102,7 +103,8 @@ async def test_episode_that_ends_before_the_branch_point_stands_for_its_leaves(
 
 
 async def _play_group_calls(tokenizer_dir: str, branching: Branching) -> Any:
-    from palaestra.rollout.worker import GroupTask, RolloutWorker
+    from palaestra.rollout.groups import GroupTask
+    from palaestra.rollout.worker import RolloutWorker
 
     worker = RolloutWorker(_worker_config(tokenizer_dir, n_calls=1))
     task = GroupTask("g2", "palaestra/Calculator-v0", TASK, "t7", (1, 2, 3, 4),
@@ -163,7 +165,7 @@ async def _play_local(engine: Any, model_dir: str, branching: Branching) -> Any:
 
 @pytest.mark.slow
 async def test_embedded_engine_reuses_the_shared_prefix(model_dir) -> None:
-    from palaestra.rollout.engines.local import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
 
     engine = LocalEngine(model_dir, max_running=8, use_thread=False)
     try:

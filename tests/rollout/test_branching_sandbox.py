@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 
 from palaestra.rollout.branching import Branching, TreeHooks, TreeRequest, play_branching_group
-from palaestra.rollout.engines.base import SamplingParams
-from palaestra.rollout.episode import EpisodeState, run_episode
+from palaestra.engine import SamplingParams
+from palaestra.rollout.episode import EpisodeState
+from palaestra.rollout.play import run_episode
 
 
 @pytest.fixture()
@@ -35,7 +36,7 @@ async def box():
 def _parts(model_dir: str, box: Any) -> tuple[Any, Any, Any]:
     from palaestra.agents import AgentSpec
     from palaestra.benchmarks.perf.branching import CodePolicy, SessionPythonEnv
-    from palaestra.rollout.engines.scripted import ScriptedEngine
+    from palaestra.engines.clients.scripted import ScriptedEngine
 
     counts = {"runs": 0}
     return (ScriptedEngine(CodePolicy(model_dir)), AgentSpec(model_dir),

@@ -12,8 +12,8 @@ import pytest
 from palaestra.agents import make_agent
 from palaestra.envs import make
 from palaestra.rollout import EpisodeState, run_episode
-from palaestra.rollout.engines.base import SamplingParams
-from palaestra.rollout.engines.scripted import ScriptedEngine, scripted_logprob
+from palaestra.engine import SamplingParams
+from palaestra.engines.clients.scripted import ScriptedEngine, scripted_logprob
 from palaestra.rollout.testing import FLAKY_ENTRY, CalculatorPolicy
 from palaestra.types import StopReason
 

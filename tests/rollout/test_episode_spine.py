@@ -9,8 +9,9 @@ import pytest
 
 from palaestra.envs.calculator import CalculatorEnv
 from palaestra.episode_info import EnvInfoError, EpisodeKind, ResetInfo, StepInfo
-from palaestra.rollout.engines.base import SamplingParams
-from palaestra.rollout.episode import RUNNERS, EpisodeRequest, TokenPlayer, play_episode
+from palaestra.engine import SamplingParams
+from palaestra.rollout.episode import EpisodeRequest, TokenPlayer
+from palaestra.rollout.play import RUNNERS, play_episode
 from palaestra.types import Message, StopReason, ToolCall
 
 TASK = {"id": "c1", "question": "What is 44 + 1?", "answer": "45"}

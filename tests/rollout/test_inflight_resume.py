@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from palaestra.rollout.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 
 TASK = {"id": "t3", "question": "What is 12 + 30 * 2?", "answer": "72"}
 SEEDS = (11, 12, 13, 14)
@@ -46,7 +46,7 @@ asyncio.run(main())
 def worker_config(tokenizer_dir: str) -> Any:
     from palaestra.agents import AgentSpec
     from palaestra.rollout import EngineSpec, WorkerConfig
-    from palaestra.rollout.engines.scripted import ScriptedEngine
+    from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy
 
     factory = functools.partial(ScriptedEngine, CalculatorPolicy(tokenizer_dir, p_correct=0.5,
@@ -57,7 +57,7 @@ def worker_config(tokenizer_dir: str) -> Any:
 
 
 def group_task() -> Any:
-    from palaestra.rollout.worker import GroupTask
+    from palaestra.rollout.groups import GroupTask
 
     return GroupTask("g1", "palaestra/Calculator-v0", TASK, "t3", SEEDS)
 

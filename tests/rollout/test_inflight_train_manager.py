@@ -22,8 +22,8 @@ def _wc(tokenizer_dir: str):
 
     from palaestra.agents import AgentSpec
     from palaestra.rollout import EngineSpec, WorkerConfig
-    from palaestra.rollout.engines.base import SamplingParams
-    from palaestra.rollout.engines.scripted import ScriptedEngine
+    from palaestra.engine import SamplingParams
+    from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy
 
     class LoggingEngine(ScriptedEngine):
@@ -133,7 +133,8 @@ async def test_ray_and_local_clients_hand_over_inflight_groups(ray_cluster, toke
     """`WorkerClient.inflight_state` of a Ray actor, `restore_inflight` into an in-process
     worker: the group finishes with the samples of an uninterrupted in-process run."""
     from palaestra.rollout.cluster import WorkerClient
-    from palaestra.rollout.worker import GroupTask, RolloutWorker
+    from palaestra.rollout.groups import GroupTask
+    from palaestra.rollout.worker import RolloutWorker
 
     row = calc_rows(1)[0]
     task = GroupTask("g1", row["env_id"], row, row["id"], (5, 6, 7))

@@ -9,8 +9,8 @@ from rollout_helpers import calc_rows
 from palaestra.agents import AgentSpec
 from palaestra.errors import ConfigError
 from palaestra.rollout import DataSource, EngineSpec, RolloutConfig, RolloutManager, WorkerConfig
-from palaestra.rollout.engines.base import SamplingParams
-from palaestra.rollout.engines.scripted import ScriptedEngine
+from palaestra.engine import SamplingParams
+from palaestra.engines.clients.scripted import ScriptedEngine
 from palaestra.rollout.testing import CalculatorPolicy
 
 

@@ -11,7 +11,7 @@ from rollout_helpers import calc_rows, worker_config
 
 from palaestra.errors import RolloutError
 from palaestra.rollout import DataSource, RolloutConfig, RolloutManager
-from palaestra.rollout.engines.scripted import scripted_logprob
+from palaestra.engines.clients.scripted import scripted_logprob
 from palaestra.rollout.testing import FLAKY_ENTRY, CalculatorPolicy
 from palaestra.types import StopReason
 
@@ -129,7 +129,7 @@ class StallingEngine:
     park point is thus fixed, not timing: what partial rollout does with it can be checked."""
 
     def __init__(self, tokenizer_dir: str, fast_groups: int) -> None:
-        from palaestra.rollout.engines.scripted import ScriptedEngine
+        from palaestra.engines.clients.scripted import ScriptedEngine
 
         self.inner = ScriptedEngine(CalculatorPolicy(tokenizer_dir))
         self.fast_groups = fast_groups
@@ -142,7 +142,7 @@ class StallingEngine:
         return self.inner.weight_version
 
     async def generate(self, input_ids, sampling, *, request_id=None, session_id=None):
-        from palaestra.rollout.engines.base import Generation
+        from palaestra.engine import Generation
 
         version = self.inner.weight_version
         if session_id in self._rest:  # the continuation of an aborted request

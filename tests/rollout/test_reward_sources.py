@@ -300,9 +300,9 @@ async def test_judge_over_palaestra_serve_native_api(model_dir):
     the reply decoded and parsed: greedy, so it is exactly what the engine itself generates for
     that prompt (the micro model writes no score, so the failure quotes that reply)."""
     from palaestra.agents import load_tokenizer
-    from palaestra.rollout.engines import LocalEngine
-    from palaestra.rollout.engines.base import SamplingParams
-    from palaestra.rollout.engines.serve import start_server
+    from palaestra.engines import LocalEngine
+    from palaestra.engine import SamplingParams
+    from palaestra.engines.serve.serve import start_server
 
     engine = LocalEngine(model_dir, device="cpu", max_running=4)
     server = await start_server(engine, port=0)

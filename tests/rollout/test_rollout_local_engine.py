@@ -19,8 +19,8 @@ pytestmark = pytest.mark.timeout(600)
 
 from palaestra.agents import AgentSpec
 from palaestra.rollout import DataSource, EngineSpec, RolloutConfig, RolloutManager, WorkerConfig
-from palaestra.rollout.engines.base import SamplingParams
-from palaestra.rollout.engines.serve import serve_argv
+from palaestra.engine import SamplingParams
+from palaestra.engines.serve.serve import serve_argv
 
 
 def _serve(model_dir: str, log: Path) -> subprocess.Popen:

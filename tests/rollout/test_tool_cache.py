@@ -15,10 +15,11 @@ from palaestra.agents import make_agent
 from palaestra.envs import make
 from palaestra.errors import ConfigError
 from palaestra.rollout import DataSource, RolloutConfig, RolloutManager, ToolCache, run_episode
-from palaestra.rollout.engines.base import SamplingParams
-from palaestra.rollout.engines.scripted import ScriptedEngine
+from palaestra.engine import SamplingParams
+from palaestra.engines.clients.scripted import ScriptedEngine
 from palaestra.rollout.testing import CalculatorPolicy
-from palaestra.rollout.worker import GroupTask, RolloutWorker
+from palaestra.rollout.groups import GroupTask
+from palaestra.rollout.worker import RolloutWorker
 from palaestra.types import StopReason
 
 TASK = {"id": "c1", "question": "What is 5 * 9?", "answer": "45"}

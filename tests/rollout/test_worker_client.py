@@ -9,7 +9,8 @@ import pytest
 from rollout_helpers import calc_rows, worker_config
 
 from palaestra.rollout.cluster import WorkerClient
-from palaestra.rollout.worker import GroupTask, PauseReport, RolloutWorker
+from palaestra.rollout.groups import GroupTask, PauseReport
+from palaestra.rollout.worker import RolloutWorker
 
 pytestmark = pytest.mark.timeout(120)
 

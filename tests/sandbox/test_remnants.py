@@ -146,7 +146,7 @@ def test_the_pipe_transport_moves_payloads_without_the_zygote_reading_them(tmp_p
     import subprocess
     import sys
 
-    from palaestra.sandbox.base import RunSpec
+    from palaestra.sandbox.spec import RunSpec
     from palaestra.sandbox.config import SandboxConfig
     from palaestra.sandbox.inner.framing import FrameReader, pack
     from palaestra.sandbox.inner.payload import _Bounce

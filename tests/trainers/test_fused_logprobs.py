@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from palaestra.errors import ConfigError
-from palaestra.rollout.engines.sampling import token_logprobs as engine_token_logprobs
+from palaestra.engines.local.sampling import token_logprobs as engine_token_logprobs
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.batching import TrainBatch
 from palaestra.trainers.torch_backend.backend import TorchBackend

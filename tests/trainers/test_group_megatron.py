@@ -16,7 +16,7 @@ import pytest
 
 from palaestra.config import load_config
 from palaestra.errors import ConfigError, MissingExtraError
-from palaestra.trainers.config import TrainConfig
+from palaestra.run.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,7 +31,7 @@ def _megatron(*overrides: str, **megatron: int) -> TrainConfig:
 
 
 def test_megatron_group_layouts_at_load_time():
-    from palaestra.trainers.group.plan import placement_problems, run_plan
+    from palaestra.run.trainer_plan import placement_problems, run_plan
 
     gpu = ["--placement.gpus_per_node", "8", "--placement.trainer_ranks", "4"]
     cfg = _megatron(*gpu, tp=2)
@@ -65,7 +65,7 @@ def test_megatron_rank_refuses_clearly_without_cuda(tmp_path):
 
 
 def test_tp_ranks_of_one_data_parallel_rank_share_its_shard():
-    from palaestra.rollout.placement import PlacementSection, plan_run
+    from palaestra.run.placement import PlacementSection, plan_run
     from palaestra.trainers.group.group import TrainerGroup
 
     plan = plan_run(PlacementSection(gpus_per_node=4, trainer_ranks=4), on_gpu=True,

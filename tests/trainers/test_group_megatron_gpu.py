@@ -94,8 +94,8 @@ def _push_to_a_server(rank, model, want) -> None:
     gloo weight-update group; the server then holds the backend's engine weights."""
     import asyncio
 
-    from palaestra.rollout.engines.serve import serve_process
-    from palaestra.rollout.engines.sglang import SGLangClient
+    from palaestra.engines.serve.serve import serve_process
+    from palaestra.engines.clients.sglang import SGLangClient
     from palaestra.trainers.group.push import EnginePushSpec
 
     server = serve_process(model, device="cpu", extra=("--threads", "2", "--max-running", "4"))

@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from palaestra.config import validate
-from palaestra.rollout.engines.base import SamplingParams
-from palaestra.rollout.placement import PlacementSection, plan_run
+from palaestra.engine import SamplingParams
+from palaestra.run.placement import PlacementSection, plan_run
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.batching import TrainBatch
-from palaestra.trainers.config import TrainConfig
+from palaestra.run.config import TrainConfig
 
 torch.set_num_threads(1)
 ray = pytest.importorskip("ray")
@@ -71,8 +71,8 @@ def ray_local():
 
 
 def _sync(url: str, tmp_path: Path, model: Path, kind: str):
-    from palaestra.rollout.engines.sglang import SGLangEngine
-    from palaestra.trainers.engine_sync import EngineSync
+    from palaestra.engines.clients.sglang import SGLangEngine
+    from palaestra.run.engine_sync import EngineSync
 
     settings: dict = {"kind": kind}
     if kind == "distributed":
@@ -87,7 +87,7 @@ def _sync(url: str, tmp_path: Path, model: Path, kind: str):
 
 async def _check_server(url: str, want: dict[str, torch.Tensor], version: int) -> Any:
     """The server holds ``want`` at ``version``; its greedy generation of PROMPT."""
-    from palaestra.rollout.engines.sglang import SGLangClient
+    from palaestra.engines.clients.sglang import SGLangClient
 
     client = SGLangClient(url, retries=0)
     try:
@@ -104,7 +104,7 @@ async def _check_server(url: str, want: dict[str, torch.Tensor], version: int) -
 
 
 async def _greedy_of(model: Path, weights: dict[str, torch.Tensor]):
-    from palaestra.rollout.engines.local import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
 
     engine = LocalEngine(str(model), device="cpu", max_running=2)
     try:

@@ -24,8 +24,8 @@ import torch
 
 from palaestra.config import load_config
 from palaestra.errors import ConfigError
-from palaestra.rollout.placement import PlacementSection, plan_run
-from palaestra.trainers.config import TrainConfig
+from palaestra.run.placement import PlacementSection, plan_run
+from palaestra.run.config import TrainConfig
 
 torch.set_num_threads(1)
 ray = pytest.importorskip("ray")
@@ -71,7 +71,7 @@ def test_colocated_cpu_engines_share_the_trainer_bundles():
 
 
 def test_colocated_gpu_engine_actors_beside_a_group_load_and_plan(tmp_path):
-    from palaestra.trainers.dry_run import describe_plan
+    from palaestra.run.dry_run import describe_plan
 
     config = tmp_path / "c.toml"
     config.write_text('[model]\npath = "/nowhere"\n[env]\nid = "palaestra/GSM8K-v0"\n'
@@ -96,8 +96,8 @@ def _bundle_free(pg_id: str) -> dict[int, tuple[float, float]]:
 
 
 async def test_group_ranks_start_on_the_engines_bundles(ray_local, micro_model, tmp_path):
-    from palaestra.rollout.engine_actors import EngineGroup, EngineLaunch
-    from palaestra.rollout.engines.sglang import SGLangClient
+    from palaestra.run.engine_actors import EngineGroup, EngineLaunch
+    from palaestra.engines.clients.sglang import SGLangClient
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.group.group import TrainerGroup
@@ -135,7 +135,7 @@ async def test_group_ranks_start_on_the_engines_bundles(ray_local, micro_model, 
             # ipc beside the ranks: each rank hands its gathered weights to its own engine
             from types import SimpleNamespace
 
-            from palaestra.trainers.engine_sync import _neighbour_urls
+            from palaestra.run.engine_sync import _neighbour_urls
             from palaestra.trainers.group.push import EnginePushSpec
 
             neighbours = _neighbour_urls(SimpleNamespace(actor_group=engines))
@@ -257,8 +257,8 @@ async def test_an_engine_and_a_rank_share_one_gpu_bundle_gpu(micro_model, tmp_pa
     the one bundle's GPU in the same placement group; the engine serves on CUDA and the rank
     trains on CUDA beside it."""
     from palaestra.engine import SamplingParams
-    from palaestra.rollout.engine_actors import ActorEngine, EngineGroup, EngineLaunch
-    from palaestra.rollout.engines.sglang import SGLangClient
+    from palaestra.run.engine_actors import ActorEngine, EngineGroup, EngineLaunch
+    from palaestra.engines.clients.sglang import SGLangClient
     from palaestra.trainers.group.group import TrainerGroup
     from palaestra.trainers.torch_backend import TorchBackendConfig
 

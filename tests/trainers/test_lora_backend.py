@@ -154,7 +154,7 @@ def test_export_loads_with_peft_and_merged_matches(model_dir: Path, tmp_path: Pa
 def test_bad_target_modules_is_refused_at_load_time(model_dir: Path) -> None:
     import tomllib
 
-    from palaestra.trainers.config import TrainConfig
+    from palaestra.run.config import TrainConfig
 
     config = Path(__file__).parents[2] / "configs" / "quickstart_lora.toml"
     raw = tomllib.loads(config.read_text())

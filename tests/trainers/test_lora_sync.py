@@ -11,10 +11,10 @@ import torch
 
 pytest.importorskip("peft")
 
-from palaestra.rollout.engines.base import SamplingParams
-from palaestra.rollout.engines.local import LocalEngine
+from palaestra.engine import SamplingParams
+from palaestra.engines.local.local import LocalEngine
 from palaestra.trainers.algorithms.config import LossConfig
-from palaestra.trainers.engine_sync import EngineSync
+from palaestra.run.engine_sync import EngineSync
 from palaestra.trainers.torch_backend.backend import TorchBackend
 from palaestra.trainers.torch_backend.config import TorchBackendConfig
 from palaestra.trainers.torch_backend.lora import LoraSettings
@@ -53,8 +53,8 @@ async def outputs(engine, **kw) -> list:
 
 async def test_in_process_and_server_syncs_send_the_adapter_only(model_dir: str,
                                                                  tmp_path: Path) -> None:
-    from palaestra.rollout.engines.serve import start_server
-    from palaestra.rollout.engines.sglang import SGLangEngine
+    from palaestra.engines.serve.serve import start_server
+    from palaestra.engines.clients.sglang import SGLangEngine
 
     backend = trained(model_dir, 2)
     backend.export_hf(tmp_path / "merged")

@@ -9,7 +9,7 @@ import torch
 from palaestra.config import load_config
 from palaestra.trainers.algorithms.advantages import gae_advantages, turn_token_rewards
 from palaestra.trainers.batching import TrainBatch, pad_ragged
-from palaestra.trainers.config import TrainConfig
+from palaestra.run.config import TrainConfig
 
 QUICKSTART_PPO = "configs/quickstart_ppo.toml"
 
@@ -45,7 +45,7 @@ def _batch() -> TrainBatch:
 
 
 def _actor(cfg: TrainConfig, model):
-    from palaestra.trainers.builders import build_backend
+    from palaestra.run.builders import build_backend
 
     return build_backend(cfg.trainer, model, temperature=cfg.rollout.temperature, seed=cfg.seed)
 
@@ -55,7 +55,7 @@ def _weights(backend) -> list[torch.Tensor]:
 
 
 def test_values_gae_warmup_and_mini_batches(micro):
-    from palaestra.trainers.ppo.critic import build_critic
+    from palaestra.run.critic import build_critic
     from palaestra.trainers.ppo.step import ppo_step
 
     cfg = _cfg(micro, **{"critic.warmup_steps": "1", "trainer.updates_per_batch": "2"})
@@ -92,7 +92,7 @@ def test_values_gae_warmup_and_mini_batches(micro):
 
 
 def test_reward_kl_uses_the_reference_before_the_advantages(micro):
-    from palaestra.trainers.ppo.critic import build_critic
+    from palaestra.run.critic import build_critic
     from palaestra.trainers.ppo.step import ppo_step
 
     cfg = _cfg(micro, **{"trainer.loss.kl_coef": "0.5", "trainer.loss.kl_mode": "reward",

@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from palaestra.errors import ConfigError
-from palaestra.rollout.engines.base import SamplingParams
+from palaestra.engine import SamplingParams
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.batching import TrainBatch
 from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
@@ -48,7 +48,7 @@ def moe_dir(tmp_path_factory) -> Path:
 
 def _rollout(moe_dir: Path, dtype: str, n: int = 6) -> list[Sample]:
     """Samples from the embedded engine, routed experts padded to one row per token."""
-    from palaestra.rollout.engines.local import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
 
     async def go() -> list[Sample]:
         engine = LocalEngine(moe_dir, device="cpu", dtype=dtype, prefix_cache_tokens=0)

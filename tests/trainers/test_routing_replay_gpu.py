@@ -25,8 +25,8 @@ CFG = {"vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512,
 
 
 def _samples(path: Path) -> list[Any]:
-    from palaestra.rollout.engines.base import SamplingParams
-    from palaestra.rollout.engines.local import LocalEngine
+    from palaestra.engine import SamplingParams
+    from palaestra.engines.local.local import LocalEngine
     from palaestra.types import Sample
 
     async def go() -> list[Any]:

@@ -32,8 +32,8 @@ def _batch(n: int = 8):
 
 
 def test_colocated_phases_free_memory_and_keep_training_exact(tmp_path):
-    from palaestra.rollout.engines import LocalEngine
-    from palaestra.rollout.engines.base import SamplingParams
+    from palaestra.engines import LocalEngine
+    from palaestra.engine import SamplingParams
     from palaestra.tiny_model import build_model
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
@@ -100,7 +100,7 @@ def _state_bytes(backend) -> int:
 
 def test_group_of_one_gpu_rank_offloads(tmp_path):
     ray = pytest.importorskip("ray")
-    from palaestra.rollout.placement import PlacementSection, plan_run
+    from palaestra.run.placement import PlacementSection, plan_run
     from palaestra.tiny_model import build_model
     from palaestra.trainers.group.group import TrainerGroup
     from palaestra.trainers.torch_backend import TorchBackendConfig

@@ -114,7 +114,7 @@ def test_tree_refuses_turn_rewards() -> None:
 def test_train_config_refuses_tree_with_turn_rewards() -> None:
     from pathlib import Path
 
-    from palaestra.trainers.config import TrainConfig
+    from palaestra.run.config import TrainConfig
 
     quickstart = Path(__file__).resolve().parents[2] / "configs" / "quickstart.toml"
     with pytest.raises(ConfigError, match="advantage_estimator = 'tree'"):

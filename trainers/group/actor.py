@@ -172,7 +172,7 @@ class TrainerRank:
         """Weights, gradients and optimizer state to host memory; GPU memory after, and the
         bytes moved (``offloaded_gib``). A backend without ``offload`` (Megatron's, for now)
         keeps its state where it is (0 moved), as the in-process loop does."""
-        from palaestra.trainers.group.colocate import device_state_bytes
+        from palaestra.trainers.memory import device_state_bytes
 
         if not hasattr(self.backend, "offload"):
             return {**self.memory(), "offloaded_gib": 0.0}
@@ -186,7 +186,7 @@ class TrainerRank:
         return self.memory()
 
     def memory(self) -> dict[str, float]:
-        from palaestra.trainers.group.colocate import gpu_memory
+        from palaestra.trainers.memory import gpu_memory
 
         if hasattr(self.backend, "memory"):
             return self.backend.memory()  # type: ignore[no-any-return]

@@ -1,6 +1,6 @@
 """`TrainerGroup`: the trainer ranks of a run as Ray actors on one placement group.
 
-`start` reserves the plan's trainer bundles (`palaestra.rollout.placement.RunPlan`: GPU bundles,
+`start` reserves the plan's trainer bundles (`palaestra.run.placement.RunPlan`: GPU bundles,
 or CPU bundles on CPU nodes) as a Ray placement group (or, given ``placement_group``, starts in
 an existing one of the whole plan: colocated engine actors reserved it, and rank r goes on bundle
 ``plan.trainer_bundles[r]`` beside engine r, asking ``plan.trainer_gpu_fraction`` of its GPU and
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from palaestra.errors import ConfigError, MissingExtraError, PalaestraError
 
 if TYPE_CHECKING:
-    from palaestra.rollout.engines.weight_transfer import TransferStats
+    from palaestra.engines.weights.weight_transfer import TransferStats
     from palaestra.trainers.group.push import EnginePushSpec
 
 
@@ -265,7 +265,7 @@ class TrainerGroup:
         """Every rank gathers the full weights, rank 0 sends them to ``spec``'s servers as
         ``version``, or each rank to the server beside it (ipc on shared bundles:
         `EnginePushSpec.for_rank`); the driver receives only the senders' timings."""
-        from palaestra.rollout.engines.weight_transfer import TransferStats
+        from palaestra.engines.weights.weight_transfer import TransferStats
 
         answers = self._all("push_weights", spec, version, keep)
         self.last_push = answers[0]
@@ -289,7 +289,7 @@ class TrainerGroup:
 
     def iter_engine_weight_buckets(self, bucket_bytes: int = 512 << 20, *, dtype: Any = None,
                                    device: Any = "cpu") -> Iterator[list[tuple[str, Any]]]:
-        from palaestra.rollout.engines.weight_transfer import bucketize
+        from palaestra.engines.weights.weight_transfer import bucketize
 
         return bucketize(self.state_dict_for_engines(dtype=dtype, device=device).items(),
                          bucket_bytes)

@@ -25,7 +25,7 @@ from palaestra.errors import ConfigError
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from palaestra.rollout.engines.weight_transfer import Bucket, TransferStats
+    from palaestra.engines.weights.weight_transfer import Bucket, TransferStats
 
 REMOTE_METHODS = ("distributed", "disk", "tensor", "ipc")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -142,8 +142,8 @@ class RankPusher:
         return stats
 
     def _make_sender(self, spec: EnginePushSpec) -> None:
-        from palaestra.rollout.engines.sglang import SGLangClient
-        from palaestra.rollout.engines.weight_transfer import (
+        from palaestra.engines.clients.sglang import SGLangClient
+        from palaestra.engines.weights.weight_transfer import (
             DiskWeightSender,
             DistributedWeightSender,
             IpcWeightSender,
@@ -168,7 +168,7 @@ class RankPusher:
     async def _push_tensors(self, buckets: Iterable[Bucket], version: int) -> TransferStats:
         import time
 
-        from palaestra.rollout.engines.weight_transfer import TransferStats
+        from palaestra.engines.weights.weight_transfer import TransferStats
 
         start = time.perf_counter()
         weights = {name: t for bucket in buckets for name, t in bucket}

@@ -84,4 +84,14 @@ class MegatronBackendConfig(OptimizerSettings):
         return self
 
 
-__all__ = ["MegatronBackendConfig"]
+def megatron_installed() -> bool:
+    """Whether megatron-core can be imported here (looked up, not imported)."""
+    import importlib.util
+
+    try:  # megatron.core, not a folder that happens to be named megatron (e.g. a test package)
+        return importlib.util.find_spec("megatron.core") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+__all__ = ["MegatronBackendConfig", "megatron_installed"]

@@ -50,7 +50,7 @@ def init_parallel(parallel: ParallelConfig, *, seed: int = 1234) -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        from palaestra.rollout.engines.weight_transfer import free_port
+        from palaestra.engines.weights.weight_transfer import free_port
 
         backend = "nccl" if cuda else "gloo"
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:

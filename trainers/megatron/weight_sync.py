@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import EngineError
-from palaestra.rollout.engines.weight_transfer import TransferStats, bucketize
+from palaestra.engines.weights.weight_transfer import TransferStats, bucketize
 from palaestra.trainers.megatron.arch import ModelArch
 from palaestra.trainers.megatron.weights import iter_hf_weights
 

@@ -17,9 +17,10 @@ weights afterwards; the critic never goes to the engines. Mini-batch order is dr
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -27,7 +28,38 @@ from palaestra.trainers.algorithms import compute_advantages
 from palaestra.trainers.batching import TrainBatch
 
 if TYPE_CHECKING:
-    from palaestra.trainers.config import TrainConfig
+    from palaestra.trainers.algorithms.config import LossConfig
+    from palaestra.trainers.ppo.config import CriticSection
+
+
+class PPOTrainerSettings(Protocol):
+    """The ``[trainer]`` settings `ppo_step` reads (`palaestra.run.config.TrainerSection`)."""
+
+    @property
+    def loss(self) -> LossConfig: ...
+    @property
+    def updates_per_batch(self) -> int: ...
+    @property
+    def mini_batch_size(self) -> int | None: ...
+
+
+class PPOSettings(Protocol):
+    """The run settings `ppo_step` reads (a `palaestra.run.config.TrainConfig` has them)."""
+
+    @property
+    def seed(self) -> int: ...
+    @property
+    def trainer(self) -> PPOTrainerSettings: ...
+    @property
+    def critic(self) -> CriticSection: ...
+
+
+def update_skipped(metrics: dict[str, float]) -> bool:
+    """Whether the backend skipped the optimizer step: non-finite gradient norm (torch) or
+    ``update_ok == 0`` (Megatron's optimizer found inf/NaN)."""
+    grad_norm = metrics.get("grad_norm")
+    bad_norm = grad_norm is not None and not math.isfinite(float(grad_norm))
+    return bad_norm or metrics.get("update_ok", 1.0) == 0.0
 
 
 @dataclass
@@ -81,11 +113,9 @@ def _as_critic_keys(metrics: dict[str, float]) -> dict[str, float]:
     return {k if k.startswith("critic/") else f"critic/{k}": v for k, v in metrics.items()}
 
 
-def ppo_step(cfg: TrainConfig, actor: Any, critic: Any, batch: TrainBatch, step: int
+def ppo_step(cfg: PPOSettings, actor: Any, critic: Any, batch: TrainBatch, step: int
              ) -> PPOStepResult:
     """Values, GAE and the PPO epochs of rollout batch ``step`` (see the module docstring)."""
-    from palaestra.trainers.loop import _update_skipped
-
     loss = cfg.trainer.loss
     critic_loss = loss.model_copy(update={"value_clip": cfg.critic.value_clip})
     times: dict[str, float] = {}
@@ -121,13 +151,13 @@ def ppo_step(cfg: TrainConfig, actor: Any, critic: Any, batch: TrainBatch, step:
             mini = batch if len(indices) == n else batch.select(indices)
             out = critic.train_step(mini, critic_loss)
             critic_rows.append(out)
-            if _update_skipped(out):
+            if update_skipped(out):
                 skipped.append(f"critic (epoch {epoch})")
             lap("time/critic_update_s")
             if train_actor:
                 out = actor.train_step(mini, loss)
                 actor_rows.append(out)
-                if _update_skipped(out):
+                if update_skipped(out):
                     skipped.append(f"actor (epoch {epoch})")
                 lap("time/actor_update_s")
     metrics.update(_mean(actor_rows))
@@ -147,4 +177,5 @@ def with_reward_kl_logprobs(actor: Any, batch: TrainBatch, loss: Any) -> TrainBa
     return batch
 
 
-__all__ = ["PPOStepResult", "mini_batches", "ppo_step", "value_stats", "with_reward_kl_logprobs"]
+__all__ = ["PPOSettings", "PPOStepResult", "mini_batches", "ppo_step", "update_skipped", "value_stats",
+           "with_reward_kl_logprobs"]

@@ -555,7 +555,7 @@ class TorchBackend:
         time as the buckets are taken (each rank then feeds the engine beside it: the ipc path
         of a colocated trainer group), instead of the whole state dict on rank 0 alone.
         """
-        from palaestra.rollout.engines.weight_transfer import bucketize
+        from palaestra.engines.weights.weight_transfer import bucketize
 
         if every_rank and self.dist.is_distributed:
             if self.lora is not None:

@@ -1,0 +1,132 @@
+"""The objects a training run is made of, from plain settings: the agent spec, the engine, the
+training backend and its per-phase settings.
+
+Each builder takes the config sections (or values) it reads, never the whole `TrainConfig`, and
+returns a typed object, so a reader sees what a builder depends on. `palaestra.run.loop`
+(RL) and `palaestra.run.offline` (SFT/DPO) both build from here (neither imports the
+other for it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from palaestra.agents import AgentSpec
+    from palaestra.contracts import TrainerBackend
+    from palaestra.engines import LocalEngine
+    from palaestra.engines.clients.sglang import SGLangEngine
+    from palaestra.run.placement import RunPlan
+    from palaestra.trainers.algorithms.config import LossConfig
+    from palaestra.trainers.batching import TrainBatch
+    from palaestra.run.config import AgentSection, EngineSection, TrainerSection
+    from palaestra.trainers.megatron import MegatronBackend
+    from palaestra.trainers.megatron.config import MegatronBackendConfig
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
+
+
+def agent_spec(agent: AgentSection, tokenizer_path: Path) -> AgentSpec:
+    """The agent of every episode: ``[agent]``'s renderer family and context on the policy's
+    tokenizer."""
+    from palaestra.agents import AgentSpec
+
+    return AgentSpec(
+        str(tokenizer_path),
+        family=agent.family,
+        max_context=agent.max_context,
+        drift_rate=agent.drift_rate,
+        strict_drift=agent.strict_drift,
+        tools_in_prompt=agent.tools_in_prompt,
+    )
+
+
+def build_engine(engine: EngineSection, model_path: Path, *, max_model_len: int, seed: int,
+                 servers_dir: Path) -> LocalEngine | SGLangEngine:
+    """The embedded engine (``engine.kind = "local"``), or a client over SGLang servers
+    (``engine.urls`` and the ones ``engine.launch`` starts, logging to ``servers_dir``)."""
+    if engine.kind == "sglang":
+        from palaestra.run.server_launch import launched_engine
+
+        launched: SGLangEngine = launched_engine(engine, model_path, servers_dir)
+        return launched
+    from palaestra.engines import LocalEngine
+
+    return LocalEngine(
+        model_path,
+        device=engine.device,
+        max_running=engine.max_running,
+        max_model_len=max_model_len,
+        seed=seed,
+        decode_steps=engine.decode_steps,
+        decode_attention=engine.decode_attention,
+        # async mode too: the engine captures its graphs thread-locally on its own stream, so
+        # the training thread's kernels beside them neither fail nor serialise with decode
+        cuda_graphs=True,
+    )
+
+
+def megatron_backend(megatron: MegatronBackendConfig, model_path: Path, *, seed: int,
+                     steps: int, **changes: Any) -> MegatronBackend:
+    """A Megatron-core backend on ``model_path`` from ``trainer.megatron`` (seeded, its schedule
+    over ``steps``), with ``changes`` to those settings."""
+    from transformers import AutoConfig
+
+    from palaestra.trainers.megatron import MegatronBackend
+
+    return MegatronBackend(AutoConfig.from_pretrained(model_path),
+                           megatron_config(megatron, seed=seed, steps=steps, **changes),
+                           model_path=model_path)
+
+
+def megatron_config(megatron: MegatronBackendConfig, *, seed: int, steps: int,
+                    **changes: Any) -> MegatronBackendConfig:
+    """``trainer.megatron`` seeded, with its schedule over ``steps`` and ``changes``."""
+    changes = {"seed": seed, **changes}
+    if megatron.lr_schedule != "constant":
+        changes["total_steps"] = steps
+    return megatron.model_copy(update=changes)
+
+
+def backend_config(torch_cfg: TorchBackendConfig, *, temperature: float, seed: int,
+                   lr: float | None = None, steps: int | None = None) -> TorchBackendConfig:
+    """The torch backend settings of a phase: logits scaled by the sampling ``temperature``,
+    seeded, the learning-rate schedule over ``steps``."""
+    changes: dict[str, Any] = {"logits_temperature": temperature, "seed": seed}
+    if lr is not None:
+        changes["lr"] = lr
+    if steps is not None and torch_cfg.lr_schedule != "constant":
+        changes["total_steps"] = steps
+    return torch_cfg.model_copy(update=changes)
+
+
+def build_backend(trainer: TrainerSection, policy_path: Path, *, temperature: float, seed: int,
+                  group: RunPlan | None = None, ray_address: str | None = None,
+                  placement_group: Any = None) -> TrainerBackend[TrainBatch, LossConfig]:
+    """The RL training backend: the PyTorch one, Megatron-core on CUDA machines, or (``group``:
+    the plan of ``[placement]`` with several trainer ranks) PyTorch ranks as Ray actors
+    (``placement_group``: in the one the colocated engine actors reserved for both)."""
+    if trainer.backend == "megatron":
+        if group is not None:  # Megatron ranks as Ray actors (tp/ep from trainer.megatron)
+            from palaestra.trainers.group.group import TrainerGroup
+
+            return TrainerGroup(policy_path, megatron_config(
+                trainer.megatron, seed=seed, steps=trainer.steps,
+                logits_temperature=temperature), group, address=ray_address,
+                placement_group=placement_group).start()
+        return megatron_backend(trainer.megatron, policy_path, seed=seed, steps=trainer.steps,
+                                logits_temperature=temperature)
+    torch_cfg = backend_config(trainer.torch, temperature=temperature, seed=seed,
+                               steps=trainer.steps)
+    if group is not None:  # [placement] trainer_ranks: Ray actors on a placement group
+        from palaestra.trainers.group.group import TrainerGroup
+
+        return TrainerGroup(policy_path, torch_cfg, group, address=ray_address,
+                            placement_group=placement_group).start()
+    from palaestra.trainers.torch_backend import TorchBackend
+
+    return TorchBackend(policy_path, torch_cfg)
+
+
+__all__ = ["agent_spec", "backend_config", "build_backend", "build_engine", "megatron_backend",
+           "megatron_config"]

@@ -1,0 +1,180 @@
+"""Colocated phases (``[placement] colocate = true``): trainer and engine time-slice one GPU.
+
+Each sync-mode RL step switches twice (`ColocatedPhases`):
+
+- rollout -> train (`to_train`): the engine frees its KV cache and moves its weights off the
+  GPU (`LocalEngine.release_memory`, SGLang's ``/release_memory_occupation``), the trainer brings
+  its parameters, gradients and optimizer state back (``onload``);
+- train -> rollout (`around(push)`, the weight push of the step): the engine takes its weights
+  back, the new weights go in, the trainer moves its state to host memory (``offload``), the
+  engine reallocates its KV cache.
+
+Memory is measured at the end of each phase and logged with the step (`metrics`):
+``memory/rollout_gib`` and ``memory/train_gib`` (GPU memory allocated by this process, and
+``*_peak_gib`` within the phase; per rank ``memory/rank{r}/*`` for a trainer group, whose ranks
+are other processes), ``memory/offloaded_gib`` (trainer state moved to host memory) and the
+embedded engine's own share (``memory/engine_rollout_gib`` / ``memory/engine_train_gib``: its KV
+cache and the weights it keeps on the GPU). On CPU the switches run the same way; the trainer's
+offload moves nothing and the engine frees its KV cache only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from palaestra.engine import MemoryReleasing
+from palaestra.trainers.memory import GIB, device_state_bytes, gpu_memory
+
+if TYPE_CHECKING:
+    from palaestra.engines.weights.push import WeightPush
+
+
+def engine_device_bytes(engine: Any) -> int | None:
+    """GPU bytes the embedded engine holds (KV cache, weights off the CPU); None for servers.
+    On CPU its KV cache (the only part that a release frees there)."""
+    cache = getattr(engine, "cache", None)
+    decoder = getattr(engine, "decoder", None)
+    if cache is None or decoder is None:
+        return None
+    total = int(cache.num_bytes())
+    if getattr(engine, "device", None) is not None and engine.device.type != "cpu" \
+            and _decoder_on_device(decoder):
+        total += int(decoder.num_bytes())
+    return total
+
+
+def _decoder_on_device(decoder: Any) -> bool:
+    embed = getattr(decoder, "embed", None)
+    return embed is not None and embed.device.type != "cpu"
+
+
+class ColocatedPhases:
+    """The phase switches of one colocated run (see the module doc)."""
+
+    def __init__(self, engine: Any, trainers: Sequence[Any]) -> None:
+        self.engine = engine
+        self.trainers = [t for t in trainers if t is not None]
+        self.phase = "train"  # setup leaves everything resident
+        self.switches = 0
+        self._record: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ engine control
+    async def _engine_memory(self, release: bool, tags: Sequence[str] | None = None) -> None:
+        """Release or resume the engine's memory: the embedded engine, or every server."""
+        targets: list[MemoryReleasing] = [self.engine] if isinstance(
+            self.engine, MemoryReleasing) else list(getattr(self.engine, "clients", ()))
+        arg = list(tags) if tags else None
+        await asyncio.gather(*((t.release_memory(arg) if release else t.resume_memory(arg))
+                               for t in targets))
+
+    def _offload(self) -> None:
+        moved = 0.0
+        for trainer in self.trainers:
+            if not hasattr(trainer, "offload"):
+                continue
+            before = device_state_bytes(trainer) / GIB
+            out = trainer.offload()
+            if isinstance(out, list):  # a trainer group: one dict per rank
+                moved += sum(r.get("offloaded_gib", 0.0) for r in out)
+            else:
+                moved += before
+        self._record["memory/offloaded_gib"] = moved
+
+    def _onload(self) -> None:
+        for trainer in self.trainers:
+            if hasattr(trainer, "onload"):
+                trainer.onload()
+
+    # ---------------------------------------------------------------------- measuring
+    def _measure(self, phase: str) -> None:
+        """Memory at the end of ``phase`` (this process's GPU, each rank of a group, the
+        embedded engine's share), then the peak counters reset for the next phase."""
+        import torch
+
+        mem = gpu_memory()
+        self._record[f"memory/{phase}_gib"] = mem["allocated_gib"]
+        self._record[f"memory/{phase}_peak_gib"] = mem["peak_gib"]
+        held = engine_device_bytes(self.engine)
+        if held is not None:
+            self._record[f"memory/engine_{phase}_gib"] = held / GIB
+        for trainer in self.trainers[:1]:
+            per_rank = trainer.memory() if hasattr(trainer, "memory") else None
+            if isinstance(per_rank, list):
+                for rank, m in enumerate(per_rank):
+                    self._record[f"memory/rank{rank}/{phase}_gib"] = m["allocated_gib"]
+                    self._record[f"memory/rank{rank}/{phase}_peak_gib"] = m["peak_gib"]
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+
+    # ------------------------------------------------------------------------ switches
+    async def start(self) -> None:
+        """Enter the first rollout phase: the trainer's state to host memory."""
+        self._measure("train")
+        await asyncio.to_thread(self._offload)
+        self.phase = "rollout"
+
+    async def to_train(self) -> None:
+        """Rollout -> train: the engine frees its memory, the trainer comes back."""
+        start = time.perf_counter()
+        self._measure("rollout")
+        await self._engine_memory(release=True)
+        await asyncio.to_thread(self._onload)
+        self.phase = "train"
+        self.switches += 1
+        self._record["time/to_train_s"] = time.perf_counter() - start
+
+    def around(self, push: WeightPush) -> WeightPush:
+        """The step's weight push as the train -> rollout switch."""
+        return _SwitchingPush(self, push)
+
+    async def to_rollout(self, push: WeightPush, version: int) -> None:
+        """Train -> rollout: engine weights back, the new weights pushed, the trainer to host
+        memory, then the engine's KV cache."""
+        start = time.perf_counter()
+        self._measure("train")
+        await self._engine_memory(release=False, tags=("weights",))
+        await push.push(version)
+        await asyncio.to_thread(self._offload)
+        await self._engine_memory(release=False, tags=("kv_cache",))
+        self.phase = "rollout"
+        self.switches += 1
+        self._record["time/to_rollout_s"] = time.perf_counter() - start
+
+    @asynccontextmanager
+    async def resident(self) -> AsyncIterator[None]:
+        """The trainer on its device for a while (a checkpoint: FSDP2 collectives need it)."""
+        if self.phase != "rollout":
+            yield
+            return
+        await asyncio.to_thread(self._onload)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(self._offload)
+
+    async def stop(self) -> None:
+        """After the last step: the trainer back on its device (final export), the engine
+        keeps serving (the final evaluation)."""
+        if self.phase == "rollout":
+            await asyncio.to_thread(self._onload)
+            self.phase = "train"
+
+    def metrics(self) -> dict[str, float]:
+        return {**self._record, "memory/phase_switches": float(self.switches)}
+
+
+@dataclass(frozen=True)
+class _SwitchingPush:
+    phases: ColocatedPhases
+    inner: WeightPush
+
+    async def push(self, version: int) -> None:
+        await self.phases.to_rollout(self.inner, version)
+
+
+__all__ = ["ColocatedPhases", "engine_device_bytes"]

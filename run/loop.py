@@ -1,0 +1,716 @@
+"""``palaestra train``: the RL loop (sync or async), its SFT warm start, evaluation and resume.
+
+One run, in phases recorded in ``state.json`` so that a killed run resumes where it stopped::
+
+    init eval -> [warm-up SFT on demonstrations -> sft eval] -> RL steps -> rl eval -> curves
+
+RL step (sync): rollout batch (engines at policy version v) -> advantages -> train step(s) ->
+weights to the engines (version v+1) -> metrics -> checkpoint. Async: the manager generates batch
+k+1 while step k trains (in a worker thread, so the engine keeps serving), bounded by
+``rollout.max_staleness``. The embedded engine lives in this process: ``cluster = "local"`` hands
+it to in-process workers; ``cluster = "ray"`` serves it over loopback HTTP (SGLang's native API)
+to Ray workers. ``engine.kind = "sglang"`` attaches to SGLang servers instead; `EngineSync` moves
+the weights after every step (in process, NCCL/gloo broadcast, disk or HTTP tensors).
+
+Exact resume (sync mode): every request samples from its own seed (run seed, task draw, episode
+index, request index), batches are in draw order and never drawn ahead (`RolloutManager`'s exact
+batches), so a run killed at any step and resumed trains on the same samples as an uninterrupted
+one. Async mode runs episodes across a checkpoint: the checkpoint holds them whole
+(`RolloutManager.checkpoint_state`), and a resumed run plays them on from their last completed
+turn. A resume refuses fixed settings that differ from the recorded ``config.json``
+(`run_dir.check_resume`); a larger ``trainer.steps`` extends a finished run. Failed episodes go to
+``failures.jsonl`` (with a console line per step), a step whose gradients are not finite is
+counted in ``train/skipped_steps``, the console is copied to ``console.log``, and the end of a run
+prints the time of each phase.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from palaestra.config import save_resolved
+from palaestra.run.builders import agent_spec, build_backend, build_engine
+from palaestra.run.config import TrainConfig
+from palaestra.run.engine_sync import EngineSync
+from palaestra.run.run_dir import ConsoleLog, RunDir, check_resume, plot_curves
+from palaestra.run.services import run_env_kwargs, run_services
+
+if TYPE_CHECKING:
+    from palaestra.agents.spec import AgentSpec
+    from palaestra.contracts import TrainerBackend
+    from palaestra.engine import Engine
+    from palaestra.run.evaluation import TrainingEvaluation
+    from palaestra.engines import LocalEngine
+    from palaestra.engines.serve.serve import RunningServer
+    from palaestra.engines.clients.sglang import SGLangEngine
+    from palaestra.rollout.manager import RolloutBatch, RolloutManager
+    from palaestra.run.placement import RunPlan
+    from palaestra.rollout.rewards.worker import RewardClient
+    from palaestra.engines.weights.push import WeightPush
+    from palaestra.trainers.algorithms.config import LossConfig
+    from palaestra.trainers.batching import TrainBatch
+    from palaestra.run.elastic import AdminServer, ElasticEngines
+    from palaestra.run.colocate import ColocatedPhases
+    from palaestra.trainers.ppo.step import PPOStepResult
+    from palaestra.types import Sample
+
+
+def ensure_model(cfg: TrainConfig) -> Path:
+    """The policy checkpoint; built locally (``palaestra init-model``) when asked and missing."""
+    path = Path(cfg.model.path.replace("{out}", cfg.out))
+    if (path / "config.json").exists():
+        return path
+    if cfg.model.init_size is None:
+        from palaestra.errors import ConfigError
+
+        raise ConfigError(
+            f"no model at {str(path)!r}: point model.path at a Hugging Face checkpoint, or set "
+            "model.init_size (e.g. \"tiny\") to build a local one there"
+        )
+    from palaestra.tiny_model import build_model
+
+    return build_model(path, cfg.model.init_size, seed=cfg.model.init_seed)
+
+
+async def evaluate_stage(
+    cfg: TrainConfig, run: RunDir, engine: Engine, spec: AgentSpec, stage: str,
+    step: int | None = None,
+) -> dict[str, float]:
+    """Success rate on the fixed held-out tasks; logged to eval.jsonl under ``stage``."""
+    with _phases(_PHASE_OF_EVAL.get(stage, "evals")):
+        return await _evaluate_stage(cfg, run, engine, spec, stage, step)
+
+
+_PHASE_OF_EVAL = {"init": "init eval"}
+
+
+async def _evaluate_stage(
+    cfg: TrainConfig, run: RunDir, engine: Engine, spec: AgentSpec, stage: str, step: int | None
+) -> dict[str, float]:
+    from palaestra.run.tasks import evaluate_tasks, tasks_from_env
+
+    rows = tasks_from_env(
+        cfg.env.id, cfg.eval.num_tasks, seed=cfg.eval.seed, env_kwargs=cfg.env.kwargs
+    ) if cfg.data.path is None else _eval_rows_from_file(cfg)
+    start = time.perf_counter()
+    metrics, episodes = await evaluate_tasks(
+        engine, spec, cfg.env.id, rows, cfg.rollout.sampling(cfg.eval.temperature),
+        env_kwargs=run_env_kwargs(cfg), seed=cfg.eval.seed,
+    )
+    record = {"stage": stage, **metrics, "time_s": round(time.perf_counter() - start, 2)}
+    if step is not None:
+        record["step"] = step
+    run.log_eval(record)
+    failed = [t for t in episodes if t.failed]
+    note = ""
+    if failed:  # scored 0; say why, and keep the errors beside the training failures
+        run.log_failures(f"eval/{stage}", step or 0, failed)
+        common = Counter((t.error or t.stop_reason.value).splitlines()[0][:120] for t in failed)
+        note = f"; {len(failed)} failed, e.g. {common.most_common(1)[0][0]} (failures.jsonl)"
+    print(f"[eval {stage}] success rate {metrics['success_rate']:.3f} on {int(metrics['tasks'])} "
+          f"held-out tasks ({record['time_s']} s){note}", flush=True)
+    return metrics
+
+
+def _eval_rows_from_file(cfg: TrainConfig) -> list[dict[str, Any]]:
+    """The held-out rows: the last ``eval.num_tasks`` rows of ``data.path`` (never trained on)."""
+    from palaestra.rollout.data import load_rows, split_held_out
+
+    return split_held_out(load_rows(str(cfg.data.path)), cfg.eval.num_tasks)[1]
+
+
+def _train_rows(cfg: TrainConfig) -> list[dict[str, Any]]:
+    """Training tasks, never a held-out one: a file's rows before its held-out tail, or the
+    env's draws less those equal to a held-out draw (envs with a finite dataset repeat tasks)."""
+    from palaestra.rollout.data import load_rows, split_held_out, without_tasks
+    from palaestra.run.tasks import tasks_from_env
+
+    if cfg.data.path is None:
+        rows = tasks_from_env(
+            cfg.env.id, cfg.data.num_tasks, seed=cfg.data.seed, env_kwargs=cfg.env.kwargs
+        )
+        return without_tasks(rows, tasks_from_env(
+            cfg.env.id, cfg.eval.num_tasks, seed=cfg.eval.seed, env_kwargs=cfg.env.kwargs))
+    rows = load_rows(str(cfg.data.path))
+    return split_held_out(rows, cfg.eval.num_tasks)[0]  # the held-out tail is never trained on
+
+
+def _trainer_group(cfg: TrainConfig) -> RunPlan | None:
+    """The plan of a trainer group (``[placement]`` with several trainer ranks), else None."""
+    from palaestra.run.trainer_plan import group_size, require_plan
+
+    return require_plan(cfg) if group_size(cfg) > 1 else None
+
+
+def _build_critic(cfg: TrainConfig, policy_path: Path) -> Any:
+    """The ``[critic]`` backend when the loss needs values (PPO's GAE), else None."""
+    from palaestra.run.critic import build_critic, uses_critic
+
+    return build_critic(cfg, policy_path) if uses_critic(cfg) else None
+
+
+# ----------------------------------------------------------------------------------- phases
+async def run_warmup(cfg: TrainConfig, run: RunDir, model_path: Path, spec: AgentSpec) -> Path:
+    """SFT on demonstrations; returns the exported warm-started model (resumable)."""
+    from palaestra.run.offline import demonstration_samples, sft_steps
+
+    out = run.root / "sft-model"
+    if (out / "config.json").exists() and run.read_state().get("phase") not in (None, "sft"):
+        return out
+    samples = demonstration_samples(cfg, spec)
+    await asyncio.to_thread(
+        sft_steps, cfg, run, model_path, samples, steps=cfg.warmup.steps,
+        batch_size=cfg.warmup.batch_size, lr=cfg.warmup.lr, phase="sft", export_to=out,
+    )
+    run.write_state({"phase": "rl", "step": 0})
+    return out
+
+
+async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: AgentSpec,
+                 engine: LocalEngine | SGLangEngine, sync: EngineSync) -> None:
+    """The RL steps, resumable from the newest ``rl-*`` checkpoint (the phases: `RLRun`)."""
+    rl = await RLRun.setup(cfg, run, policy_path, spec, engine, sync)
+    start_step = await rl.resume()
+    await rl.start(start_step)
+    try:
+        async with rl.manager:
+            for step in range(start_step, cfg.trainer.steps):
+                await rl.step(step)
+        if rl.colocated is not None:  # the trainer back on its GPU for the final export
+            await rl.colocated.stop()
+        rl.finish()
+    finally:
+        await rl.close()
+
+
+class RLRun:
+    """One RL phase in named parts: `setup` (backend, critic, tasks, rollout manager), `resume`
+    (the newest ``rl-*`` checkpoint, else the engines at the policy), `start` (progress, elastic
+    engines, benchmark evaluator), `step` (rollout batch -> advantages -> update(s) -> weights ->
+    metrics -> evaluation -> `checkpoint`), `finish` (the final model folders), `close`."""
+
+    def __init__(self, cfg: TrainConfig, run: RunDir, policy_path: Path, spec: AgentSpec,
+                 engine: LocalEngine | SGLangEngine, sync: EngineSync, *,
+                 backend: TrainerBackend[TrainBatch, LossConfig], critic: Any,
+                 manager: RolloutManager, rewards: RewardClient | None,
+                 server: RunningServer | None) -> None:
+        self.cfg, self.run, self.policy_path, self.spec = cfg, run, policy_path, spec
+        self.engine, self.sync, self.backend, self.critic = engine, sync, backend, critic
+        self.manager, self.rewards, self.server = manager, rewards, server
+        self.counts: Counter[str] = Counter()  # skipped optimizer steps, failed episodes (run)
+        self.progress: _Progress | None = None
+        self.admin: AdminServer | None = None
+        self.elastic: ElasticEngines | None = None
+        self.evaluator: TrainingEvaluation | None = None
+        self.colocated: ColocatedPhases | None = None  # [placement] colocate: phase switches
+        self._engine_seen: dict[str, float] = {}  # engine stats at the last step's end
+
+    @classmethod
+    async def setup(cls, cfg: TrainConfig, run: RunDir, policy_path: Path, spec: AgentSpec,
+                    engine: LocalEngine | SGLangEngine, sync: EngineSync) -> RLRun:
+        """The backend, the critic, the tasks, the engines as workers see them, the manager."""
+        from palaestra.rollout import DataSource, EngineSpec, RolloutManager, WorkerConfig
+        from palaestra.engines.clients.sglang import SGLangEngine
+        from palaestra.run.run_engines import trainer_placement_group
+
+        r = cfg.rollout
+        backend = build_backend(cfg.trainer, policy_path, temperature=r.temperature,
+                                seed=cfg.seed, group=_trainer_group(cfg),
+                                ray_address=r.ray_address,
+                                placement_group=trainer_placement_group(engine))
+        critic = _build_critic(cfg, policy_path)  # PPO's value model (GAE advantages), else None
+        data = DataSource(_train_rows(cfg), env_id=cfg.env.id, shuffle=cfg.data.shuffle,
+                          seed=cfg.data.seed, epochs=cfg.data.epochs)
+        server = None
+        live_engine: LocalEngine | SGLangEngine | None
+        if r.cluster != "ray":  # in-process workers share the engine object
+            engine_spec, live_engine = EngineSpec(), engine
+        elif isinstance(engine, SGLangEngine):  # engine.kind = "sglang": Ray workers attach
+            engine_spec, live_engine = EngineSpec.http([c.url for c in engine.clients]), None
+        else:  # the embedded engine served over loopback HTTP to Ray workers
+            from palaestra.engines.serve.serve import start_server
+
+            server = await start_server(engine, port=0)
+            engine_spec = EngineSpec.http([server.url])
+            live_engine = None
+        from palaestra.rollout.rewards import reward_client
+
+        # [[rewards]]: reward models/judges score each episode as it finishes (None: the env's)
+        rewards = reward_client(cfg.rewards, cfg.reward_worker, r.cluster)
+        worker_cfg = WorkerConfig(
+            engine=engine_spec, agent=spec, sampling=r.sampling(),
+            env_kwargs={cfg.env.id: run_env_kwargs(cfg)}, max_turns=r.max_turns,
+            seed_sampling=True,  # a seed per request: no sample depends on a shared RNG stream
+            rewards=rewards,
+        )
+        # [rollout] is the manager's own config (checked when the config loaded)
+        manager = RolloutManager(data, worker_cfg, r, engine=live_engine, seed=cfg.seed,
+                                 exact=r.mode == "sync")
+        if r.mode == "sync" and r.over_sampling > 1:
+            print(f"[rl] rollout.over_sampling = {r.over_sampling} draws nothing ahead in sync "
+                  "mode (exact batches: groups drawn ahead would finish by timing); it applies "
+                  "in async mode", flush=True)
+        return cls(cfg, run, policy_path, spec, engine, sync, backend=backend, critic=critic,
+                   manager=manager, rewards=rewards, server=server)
+
+    async def resume(self) -> int:
+        """The first step: from the newest ``rl-*`` checkpoint (its weights pushed to the
+        engines), else 0 (servers, which may hold anything, get the policy)."""
+        cfg, run, backend = self.cfg, self.run, self.backend
+        start_step = 0
+        latest = run.latest_checkpoint("rl") if cfg.checkpoint.resume else None
+        if latest is not None:
+            state = backend.load(latest)  # the saved extras sit beside the backend's own keys
+            start_step = int(state["rl_step"])
+            self.counts.update(state.get("counts", {}))
+            if self.critic is not None:
+                self.critic.load(latest / "critic")
+            self.manager.load_state_dict(state["rollout"])
+            await self.sync.push_now(backend, start_step)
+            run.truncate_metrics_after("rl", start_step - 1)
+            print(f"resumed RL from {latest.name} (step {start_step})", flush=True)
+        elif self.engine.weight_version != 0 or cfg.engine.kind == "sglang":
+            await self.sync.push_now(backend, 0)  # servers may hold anything: the policy
+        return start_step
+
+    async def start(self, start_step: int) -> None:
+        """The progress bar, the admin endpoint of elastic engines, the benchmark evaluator."""
+        cfg = self.cfg
+        self.progress = _progress(cfg, start_step)
+        from palaestra.run.elastic import start_admin
+
+        # engines join and leave while the steps run (`palaestra engines add|remove URL`)
+        self.admin = await start_admin(cfg, self.run.root, self.engine, self.sync,
+                                       self.policy_path, manager=self.manager)
+        self.elastic = None if self.admin is None else self.admin.elastic
+        if cfg.placement is not None and cfg.placement.colocate:  # sync mode (checked at load)
+            from palaestra.run.colocate import ColocatedPhases
+
+            self.colocated = ColocatedPhases(self.engine, [self.backend, self.critic])
+            await self.colocated.start()  # the first rollout: the trainer in host memory
+        if cfg.benchmark_eval.benchmarks:
+            from palaestra.agents import load_tokenizer
+            from palaestra.run.evaluation import training_evaluator
+
+            self.evaluator = training_evaluator(
+                cfg.benchmark_eval, tokenizer=load_tokenizer(self.policy_path),
+                family=cfg.agent.family, max_context=cfg.agent.max_context,
+                tools_in_prompt=cfg.agent.tools_in_prompt, run_dir=self.run.root)
+
+    def _note(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress.note(line)
+
+    async def step(self, step: int) -> None:
+        """One RL step: batch, update(s), weights to the engines, metrics, evaluation,
+        checkpoint."""
+        cfg, run, elastic = self.cfg, self.run, self.elastic
+        if elastic is not None:  # joining engines get the weights of version `step`
+            await elastic.apply_joins(self.backend, version=step, step=step)
+        t0 = time.perf_counter()
+        batch = await self.manager.generate_batch(step)
+        t1 = time.perf_counter()
+        if self.colocated is not None:  # the engine frees the GPU, the trainer comes back
+            await self.colocated.to_train()
+        train_batch, ppo = await self._advantages(batch.samples, step)
+        if batch.failed:
+            self.counts["failed_episodes"] += run.log_failures("rl", step, batch.failed)
+            self._note(_failure_line(step, batch, run))
+        train_metrics = ppo.metrics if ppo is not None else await self._train_steps(
+            train_batch, step)
+        t2 = time.perf_counter()
+        push: WeightPush = (self.sync if elastic is None else elastic).weights_of(self.backend)
+        if self.colocated is not None:  # engine weights back, push, trainer out, KV cache back
+            push = self.colocated.around(push)
+        sync_times = await self.manager.update_weights(push=push, version=step + 1)
+        t3 = time.perf_counter()
+        record = _step_record(step, batch.metrics, train_metrics, sync_times,
+                              rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
+                              warmup_steps=cfg.warmup.steps)
+        record.update(self.sync.metrics())
+        if self.colocated is not None:  # memory/{rollout,train}_gib, memory/offloaded_gib
+            record.update(self.colocated.metrics())
+        record.update(self._engine_deltas())
+        if elastic is not None:  # engines/count, added, removed, requests per engine
+            record.update(elastic.metrics())
+        if ppo is not None:  # the PPO breakdown: time/values_s, time/actor_update_s, ...
+            record.update(ppo.times)
+            for what in ppo.skipped:
+                self._note(f"[rl step {step}] {what}: the gradients are not finite, "
+                           "the optimizer step was skipped")
+        record["train/skipped_steps"] = self.counts["skipped_steps"]
+        if self.evaluator is not None and self.evaluator.due(step + 1):
+            record.update(await self.evaluator.evaluate(self.engine, step + 1))
+        run.log_metrics(record)
+        if self.progress is not None:
+            self.progress.update(record)
+        if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0 \
+                and step + 1 < cfg.trainer.steps:
+            await evaluate_stage(cfg, run, self.engine, self.spec, f"step-{step + 1}", step + 1)
+        await self.checkpoint(step + 1)
+
+    def _engine_deltas(self) -> dict[str, float]:
+        """The embedded engine's scheduler this step (``engine/decode_s``, ``engine/host_s``,
+        steps and tokens): how much of the rollout the GPU computed and how much it waited."""
+        stats = getattr(self.engine, "stats", None)
+        if not isinstance(stats, dict):  # servers: their own /get_server_info
+            return {}
+        keys = ("prefill_s", "decode_s", "host_s", "active_s", "decode_calls", "decode_steps",
+                "prefill_steps", "prefill_tokens", "generated_tokens")
+        now = {k: float(stats[k]) for k in keys if isinstance(stats.get(k), (int, float))}
+        before, self._engine_seen = self._engine_seen, now
+        return {f"engine/{k}": v - before.get(k, 0.0) for k, v in now.items()}
+
+    async def _advantages(self, samples: Sequence[Sample], step: int
+                          ) -> tuple[TrainBatch, PPOStepResult | None]:
+        """The batch with its advantages; with a critic, PPO's whole step (values, GAE, its
+        epochs of critic and actor updates) and its result."""
+        from palaestra.trainers.algorithms import compute_advantages
+        from palaestra.trainers.batching import TrainBatch
+        from palaestra.trainers.ppo.step import ppo_step, with_reward_kl_logprobs
+
+        cfg, backend = self.cfg, self.backend
+        train_batch = TrainBatch.from_samples(samples)
+        if self.critic is not None:  # values, GAE, epochs of critic and actor updates
+            ppo = await asyncio.to_thread(ppo_step, cfg, backend, self.critic, train_batch, step)
+            self.counts["skipped_steps"] += len(ppo.skipped)
+            return train_batch, ppo
+        return compute_advantages(await asyncio.to_thread(
+            with_reward_kl_logprobs, backend, train_batch, cfg.trainer.loss),
+            cfg.trainer.loss), None
+
+    async def _train_steps(self, train_batch: TrainBatch, step: int) -> dict[str, float]:
+        """``trainer.updates_per_batch`` optimizer steps; the metrics of the last."""
+        from palaestra.trainers.ppo.step import update_skipped
+
+        cfg = self.cfg
+        train_metrics: dict[str, float] = {}
+        for _ in range(cfg.trainer.updates_per_batch):
+            train_metrics = dict(await asyncio.to_thread(
+                self.backend.train_step, train_batch, cfg.trainer.loss
+            ))
+            if update_skipped(train_metrics):
+                self.counts["skipped_steps"] += 1
+                self._note(
+                    f"[rl step {step}] the gradients are not finite (grad norm "
+                    f"{train_metrics.get('grad_norm')}, loss {train_metrics.get('loss')}):"
+                    f" the optimizer step was skipped ({self.counts['skipped_steps']} so far)"
+                )
+        return train_metrics
+
+    async def checkpoint(self, step: int) -> None:
+        """Save after ``step`` steps when one is due (every ``checkpoint.interval``, the last)."""
+        cfg = self.cfg
+        if step % cfg.checkpoint.interval == 0 or step == cfg.trainer.steps:
+            # async mode: the episodes in flight are saved whole (they go on after a
+            # crash from their last completed turn); sync mode has none in flight here
+            rollout = await self.manager.checkpoint_state()
+            if self.colocated is None:
+                _save_rl(cfg, self.run, self.backend, self.manager, step, self.counts,
+                         self.critic, rollout=rollout)
+                return
+            async with self.colocated.resident():  # FSDP2's gathers need the GPU copy
+                _save_rl(cfg, self.run, self.backend, self.manager, step, self.counts,
+                         self.critic, rollout=rollout)
+
+    def finish(self) -> None:
+        """The trained policy as a Hugging Face folder (tokenizer included): `palaestra eval
+        --model <out>/final-model`, SGLang or transformers load it as it is; with the settings
+        it was trained under."""
+        backend, root = self.backend, self.run.root
+        lora = getattr(backend, "lora", None)
+        if lora is not None:  # LoRA: the peft adapter folder
+            backend.export_adapter(root / "final-adapter")  # type: ignore[attr-defined]
+        if lora is None or lora.export_merged:
+            backend.export_hf(root / "final-model")  # LoRA: the adapter merged
+        if self.critic is not None:  # the value model beside it (*ForTokenClassification)
+            self.critic.export_hf(root / "final-critic")
+        from palaestra.trained_settings import record_trained_settings
+
+        # `palaestra eval --model <out>/final-model` plays as the held-out evaluation did
+        final = root / ("final-model" if (root / "final-model").is_dir()
+                        else "final-adapter")  # LoRA with export_merged = false
+        cfg = self.cfg
+        record_trained_settings(final, self.spec, cfg.rollout.sampling(cfg.eval.temperature),
+                                env_id=cfg.env.id, env_kwargs=cfg.env.kwargs)
+
+    async def close(self) -> None:
+        """Stop what `setup` and `start` started (in the reverse order of their need)."""
+        if self.progress is not None:
+            self.progress.close()
+        if self.admin is not None:
+            await self.admin.close()
+        if self.rewards is not None:
+            await self.rewards.close()
+        if self.server is not None:
+            await self.server.close()
+        if hasattr(self.backend, "close"):  # a trainer group: its actors and placement group
+            self.backend.close()
+
+
+def _failure_line(step: int, batch: RolloutBatch, run: RunDir) -> str:
+    """``[rl step N] k of n episodes failed: 2 x <error>; ...`` (one console line)."""
+    finished = int(batch.metrics.get("episodes/finished", 0))
+    common = Counter((t.error or t.stop_reason.value).splitlines()[0][:120]
+                     for t in batch.failed).most_common(2)
+    reasons = "; ".join(f"{n} x {err}" for err, n in common)
+    return (f"[rl step {step}] {len(batch.failed)} of {finished} episodes failed: {reasons} "
+            f"(all in {run.root / 'failures.jsonl'})")
+
+
+def _save_rl(cfg: TrainConfig, run: RunDir, backend: TrainerBackend[TrainBatch, LossConfig],
+             manager: RolloutManager, step: int,
+             counts: Counter[str], critic: Any = None,
+             rollout: dict[str, Any] | None = None) -> None:
+    directory = run.checkpoint_dir("rl", step)
+    if critic is not None:  # before the policy: the checkpoint is complete with both or none
+        critic.save(directory / "critic", extra={"rl_step": step})
+    rollout = manager.state_dict() if rollout is None else rollout
+    backend.save(directory, extra={"rl_step": step, "rollout": rollout,
+                                   "counts": dict(counts)})
+    run.mark_complete(directory)
+    run.write_state({"phase": "rl", "step": step})
+    run.prune_checkpoints("rl", cfg.checkpoint.keep_last)
+
+
+def _step_record(
+    step: int, rollout: dict[str, float], train: dict[str, float], sync: dict[str, float],
+    *, rollout_s: float, train_s: float, sync_s: float, warmup_steps: int,
+) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "step": step, "global_step": warmup_steps + step, "phase": "rl",
+        "reward_mean": rollout.get("reward/mean", rollout.get("reward_mean")),
+    }
+    record.update({k: v for k, v in rollout.items() if isinstance(v, (int, float))})
+    record.update({f"train/{k}": v for k, v in train.items()})
+    record["loss"] = train.get("loss")
+    record["response_length_mean"] = rollout.get(
+        "response_len/mean", rollout.get("response_length_mean"))
+    total = rollout_s + train_s + sync_s
+    record.update({
+        "time/rollout_s": rollout_s, "time/train_s": train_s, "time/weight_sync_s": sync_s,
+        "time/step_s": total, "time/weight_sync_share": sync_s / total if total else 0.0,
+        **{f"time/sync_{k}": v for k, v in sync.items()},
+    })
+    return record
+
+
+class _Progress:
+    def __init__(self, bar: Any) -> None:
+        self.bar = bar
+
+    def note(self, line: str) -> None:
+        """A line above the bar (or a plain line without one)."""
+        if self.bar is None:
+            print(line, flush=True)
+        else:
+            self.bar.write(line)
+
+    def update(self, record: dict[str, Any]) -> None:
+        if self.bar is None:
+            reward = record.get("reward_mean")
+            print(f"[rl step {record['step']}] reward {reward:.3f} "
+                  f"({record['time/step_s']:.1f} s)", flush=True)
+            return
+        self.bar.set_postfix(reward=f"{record.get('reward_mean') or 0:.3f}",
+                             step_s=f"{record['time/step_s']:.1f}")
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _progress(cfg: TrainConfig, start: int) -> _Progress:
+    if not cfg.logging.progress:
+        return _Progress(None)
+    from tqdm import tqdm
+
+    return _Progress(tqdm(total=cfg.trainer.steps, initial=start, desc="rl", unit="step",
+                          dynamic_ncols=True))
+
+
+# ----------------------------------------------------------------------------------- timing
+class _Phases:
+    """Wall time per phase; a phase nested in another is not counted twice (step evaluations
+    inside RL count as evals)."""
+
+    def __init__(self) -> None:
+        self.began = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+        self._stack: list[list[float]] = []  # [start, time of nested phases]
+
+    @contextmanager
+    def time(self, name: str) -> Iterator[None]:
+        frame = [time.perf_counter(), 0.0]
+        self._stack.append(frame)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+            spent = time.perf_counter() - frame[0]
+            self.seconds[name] = self.seconds.get(name, 0.0) + spent - frame[1]
+            if self._stack:
+                self._stack[-1][1] += spent
+
+    def summary(self) -> dict[str, float]:
+        total = time.perf_counter() - self.began
+        out = {"total": total, **self.seconds}
+        out["setup and other"] = max(0.0, total - sum(self.seconds.values()))
+        return {k: round(v, 2) for k, v in out.items()}
+
+
+_CURRENT_PHASES: ContextVar[_Phases | None] = ContextVar("palaestra_phases", default=None)
+
+
+@contextmanager
+def _phases(name: str) -> Iterator[None]:
+    phases = _CURRENT_PHASES.get()
+    if phases is None:
+        yield
+        return
+    with phases.time(name):
+        yield
+
+
+def _report_time(run: RunDir, phases: _Phases) -> None:
+    times = phases.summary()
+    (run.root / "timing.json").write_text(json.dumps(times, indent=2))
+    parts = ", ".join(f"{k} {_duration(v)}" for k, v in times.items() if k != "total" and v > 0)
+    print(f"[done] total {_duration(times['total'])} ({parts})", flush=True)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, sec = divmod(round(seconds), 60)
+    return f"{minutes} min {sec:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def _quiet_transformers() -> None:
+    """Only our progress bars: transformers' "Loading weights" / "Writing model shards" bars
+    (and huggingface_hub's) would interleave with them."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+# ------------------------------------------------------------------------------------- main
+async def train_async(cfg: TrainConfig) -> dict[str, Any]:
+    """Run (or resume) the whole training run described by ``cfg``; returns the final evals.
+
+    Raises `ConfigError` (before touching the run directory) when it holds a run whose fixed
+    settings differ from ``cfg``.
+    """
+    check_run_dir(cfg)
+    run = RunDir(cfg.out, tensorboard=cfg.logging.tensorboard)
+    phases = _Phases()
+    token = _CURRENT_PHASES.set(phases)
+    try:
+        with ConsoleLog(run.root / "console.log"):
+            async with run_services(cfg, run.root):  # [services]: e.g. a retrieval server
+                result = await _train(cfg, run)
+            _report_time(run, phases)
+            return result
+    finally:
+        _CURRENT_PHASES.reset(token)
+
+
+def check_run_dir(cfg: TrainConfig) -> None:
+    """Raise `ConfigError` listing the fixed settings that differ from those of the run already
+    in ``cfg.out`` (nothing to check for a new run or with ``checkpoint.resume = false``)."""
+    if cfg.checkpoint.resume:
+        check_resume(cfg.out, json.loads(cfg.model_dump_json()), normalize=_resolved)
+
+
+def _resolved(recorded: dict[str, Any]) -> dict[str, Any]:
+    """A recorded config.json as this version resolves it (new fields at their defaults)."""
+    return json.loads(TrainConfig.model_validate(recorded).model_dump_json())  # type: ignore[no-any-return]
+
+
+async def _train(cfg: TrainConfig, run: RunDir) -> dict[str, Any]:
+    import torch
+
+    _quiet_transformers()
+    torch.manual_seed(cfg.seed)
+    state = run.read_state() if cfg.checkpoint.resume else {}
+    print(f"[palaestra train] {'resuming' if state.get('phase') else 'starting'} {run.root} at "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
+    save_resolved(cfg, run.root)
+    if not cfg.checkpoint.resume:
+        run.write_state({})
+    model_path = ensure_model(cfg)
+    spec = agent_spec(cfg.agent, model_path)
+    try:
+        if cfg.algorithm == "rm":
+            from palaestra.run.reward_model import train_reward_model
+
+            with _phases("rm"):
+                await asyncio.to_thread(train_reward_model, cfg, run, model_path)
+            return {}
+        if cfg.algorithm in ("sft", "dpo"):
+            from palaestra.run.offline import run_offline
+
+            with _phases(cfg.algorithm):
+                await asyncio.to_thread(run_offline, cfg, run, model_path, spec)
+            return {}
+        from palaestra.run.run_engines import start_engine_actors
+
+        # [placement] engines as Ray actors on their bundles, else the engines of [engine]
+        engine_cfg, engine = await start_engine_actors(cfg, model_path) or (
+            cfg.engine, build_engine(cfg.engine, model_path, max_model_len=cfg.agent.max_context,
+                                     seed=cfg.seed, servers_dir=Path(cfg.out) / "servers"))
+        sync: EngineSync | None = None
+        try:
+            from palaestra.engines.clients.sglang import SGLangEngine
+
+            if isinstance(engine, SGLangEngine):  # engine.kind = "sglang": attach / launch
+                await engine.start()
+            sync = EngineSync.from_config(engine_cfg, engine, model_path, out=cfg.out,
+                                          colocate=cfg.placement is not None
+                                          and cfg.placement.colocate)
+            # LoRA with SGLang servers: adapters over /load_lora_adapter when this process's
+            # engine makes the requests (Ray workers' clients get the merged weights)
+            sync.lora_servers = cfg.rollout.cluster == "local"
+            if not run.has_eval("init"):
+                await evaluate_stage(cfg, run, engine, spec, "init")
+            policy_path = model_path
+            if cfg.warmup.steps > 0:
+                with _phases("sft"):
+                    policy_path = await run_warmup(cfg, run, model_path, spec)
+                    await sync.push_checkpoint(policy_path, version=0)
+                if not run.has_eval("sft"):
+                    await evaluate_stage(cfg, run, engine, spec, "sft")
+            state = run.read_state()
+            # a finished run given more steps goes on from its last checkpoint
+            if cfg.trainer.steps > 0 and (state.get("phase") != "done"
+                                          or int(state.get("step", 0)) < cfg.trainer.steps):
+                with _phases("rl"):
+                    await run_rl(cfg, run, policy_path, spec, engine, sync)
+                run.write_state({"phase": "done", "step": cfg.trainer.steps})
+            if cfg.trainer.steps > 0 and not run.has_eval("rl", step=cfg.trainer.steps):
+                await evaluate_stage(cfg, run, engine, spec, "rl", cfg.trainer.steps)
+        finally:
+            if sync is not None:
+                await sync.close()
+            await engine.close()
+        return {e["stage"]: e["success_rate"] for e in run.read_jsonl("eval.jsonl")}
+    finally:
+        with _phases("curves"):
+            plot_curves(run)
+        run.close()
+
+
+def train(cfg: TrainConfig) -> dict[str, Any]:
+    return asyncio.run(train_async(cfg))
+
+
+__all__ = ["agent_spec", "check_run_dir", "ensure_model", "train", "train_async"]
