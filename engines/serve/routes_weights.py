@@ -38,6 +38,42 @@ def _version_arg(value: str | None) -> int | None:
 def add_weight_routes(r: web.UrlDispatcher, state: ServerState) -> None:
     """The weight routes: version, update from disk / tensors / a weight-update group, the
     groups themselves, weights by name, and LoRA adapters (load, unload)."""
+    _add_version_routes(r, state)
+    _add_update_routes(r, state)
+    _add_group_routes(r, state)
+    _add_lora_routes(r, state)
+
+
+async def _update(state: ServerState, body: dict[str, Any],
+                  load: Callable[[int | None], Awaitable[None]]) -> tuple[bool, str, int]:
+    """Run ``load`` (after aborting every request when asked): (ok, message, aborted count)."""
+    engine = state.engine
+    version = _version_arg(body.get("weight_version"))
+    paused = 0
+    if body.get("abort_all_requests"):
+        paused = int(engine.stats["running"] + engine.stats["waiting"])
+        await engine.abort(None)
+    try:
+        await load(version)
+    except (EngineError, ConfigError) as exc:
+        return False, f"Failed to update weights: {exc}", paused
+    state.weight_label = None
+    return True, f"Succeeded to update model weights. Weight version {engine.weight_version}.", paused
+
+
+async def _load_tensors(state: ServerState, body: dict[str, Any], tensors: Any) -> web.Response:
+    """Swap received (name, tensor) pairs in between two steps; SGLang's success answer."""
+    from aiohttp import web
+
+    async def load(version: int | None) -> None:
+        await state.engine.update_weights(tensors, version=version)
+
+    ok, message, _ = await _update(state, body, load)
+    return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+
+
+def _add_version_routes(r: web.UrlDispatcher, state: ServerState) -> None:
+    """The served weights' version (read, relabel) and the weights by name."""
     from aiohttp import web
 
     engine = state.engine
@@ -59,27 +95,26 @@ def add_weight_routes(r: web.UrlDispatcher, state: ServerState) -> None:
         return web.json_response({"success": True, "message": f"Weight version updated to {new}",
                                   "new_version": new})
 
-    async def _update(body: dict[str, Any], load: Callable[[int | None], Awaitable[None]]
-                      ) -> tuple[bool, str, int]:
-        version = _version_arg(body.get("weight_version"))
-        paused = 0
-        if body.get("abort_all_requests"):
-            paused = int(engine.stats["running"] + engine.stats["waiting"])
-            await engine.abort(None)
-        try:
-            await load(version)
-        except (EngineError, ConfigError) as exc:
-            return False, f"Failed to update weights: {exc}", paused
-        state.weight_label = None
-        return True, f"Succeeded to update model weights. Weight version {engine.weight_version}.", paused
+    async def weights_by_name(request: web.Request) -> web.Response:
+        raw = await read_json(request, state)
+        if raw is None:  # GET with a query string instead of SGLang's JSON body
+            raw = {k: int(v) if k == "truncate_size" and v.lstrip("-").isdigit() else v
+                   for k, v in request.query.items()}
+        body = sp.check_body(raw, sp.GET_WEIGHTS_BY_NAME_REQ_INPUT, "GetWeightsByNameReqInput")
+        values = engine.get_weight(body["name"], int(body.get("truncate_size", 100)))
+        return web.json_response(values)
 
-    async def _load_tensors(body: dict[str, Any], tensors: Any) -> web.Response:
-        """Swap received (name, tensor) pairs in between two steps; SGLang's success answer."""
-        async def load(version: int | None) -> None:
-            await engine.update_weights(tensors, version=version)
+    r.add_get("/get_weight_version", weight_version)
+    r.add_post("/update_weight_version", update_weight_version)
+    r.add_route("GET", "/get_weights_by_name", weights_by_name)
+    r.add_post("/get_weights_by_name", weights_by_name)
 
-        ok, message, _ = await _update(body, load)
-        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+
+def _add_update_routes(r: web.UrlDispatcher, state: ServerState) -> None:
+    """Weight updates from disk, from tensors in the body, and from a weight-update group."""
+    from aiohttp import web
+
+    engine = state.engine
 
     async def update_from_disk(request: web.Request) -> web.Response:
         body = sp.check_body(await read_json(request, state), sp.UPDATE_WEIGHT_FROM_DISK_REQ_INPUT,
@@ -90,7 +125,7 @@ def add_weight_routes(r: web.UrlDispatcher, state: ServerState) -> None:
         async def load(version: int | None) -> None:
             await engine.update_weights(path=body["model_path"], version=version)
 
-        ok, message, paused = await _update(body, load)
+        ok, message, paused = await _update(state, body, load)
         if ok:  # /get_model_info and /get_server_info name the weights now served
             state.model_path = body["model_path"]
         return web.json_response({"success": ok, "message": message,
@@ -113,13 +148,52 @@ def add_weight_routes(r: web.UrlDispatcher, state: ServerState) -> None:
         # tp rank 0: this server is one rank. IPC handles map the sender's memory: copied into
         # the engine (and the copies finished) before the answer lets the sender free them
         tensors, shared = decode_payload(payloads[0])
-        answer = await _load_tensors(body, tensors)
+        answer = await _load_tensors(state, body, tensors)
         if shared and engine.device.type == "cuda":
             import torch
 
             torch.cuda.synchronize(engine.device)
         del tensors
         return answer
+
+    async def update_from_distributed(request: web.Request) -> web.Response:
+        from palaestra.engines.weights.weight_group import receive_tensors
+
+        body = sp.check_body(await read_json(request, state), sp.UPDATE_WEIGHTS_FROM_DISTRIBUTED_REQ_INPUT,
+                             "UpdateWeightsFromDistributedReqInput")
+        if not len(body["names"]) == len(body["dtypes"]) == len(body["shapes"]):
+            raise ConfigError("names, dtypes and shapes must have the same length")
+        if body.get("load_format") not in (None, "auto"):
+            raise ConfigError(f"load_format {body['load_format']!r} is not supported here; "
+                              "broadcast tensor by tensor (load_format null)")
+        name = body.get("group_name", "weight_update_group")
+        if name not in state.weight_groups:
+            return web.json_response({"success": False, "message": (
+                f"no weight-update group {name!r}: call /init_weights_update_group first")},
+                status=400)
+        group, device = state.weight_groups[name]
+        # receive first (the trainer is broadcasting now), then swap them in between two steps
+        try:
+            tensors = await asyncio.wait_for(in_daemon_thread(
+                receive_tensors, group, body["names"], body["dtypes"], body["shapes"], device),
+                state.options.weight_group_timeout_s)
+        except asyncio.TimeoutError:
+            return web.json_response({"success": False, "message": (
+                f"the broadcast of {len(body['names'])} tensors did not complete within "
+                f"{state.options.weight_group_timeout_s:g} s; is the trainer broadcasting?")},
+                status=400)
+        return await _load_tensors(state, body, tensors)
+
+    r.add_post("/update_weights_from_disk", update_from_disk)
+    r.add_post("/update_weights_from_tensor", update_from_tensor)
+    r.add_post("/update_weights_from_distributed", update_from_distributed)
+
+
+def _add_group_routes(r: web.UrlDispatcher, state: ServerState) -> None:
+    """Create and destroy the weight-update groups (NCCL or gloo) the trainer broadcasts on."""
+    from aiohttp import web
+
+    engine = state.engine
 
     async def init_group(request: web.Request) -> web.Response:
         from palaestra.engines.weights.weight_group import init_weight_group
@@ -163,34 +237,6 @@ def add_weight_routes(r: web.UrlDispatcher, state: ServerState) -> None:
         return web.json_response({"success": True,
                                   "message": "Succeeded to initialize custom process group."})
 
-    async def update_from_distributed(request: web.Request) -> web.Response:
-        from palaestra.engines.weights.weight_group import receive_tensors
-
-        body = sp.check_body(await read_json(request, state), sp.UPDATE_WEIGHTS_FROM_DISTRIBUTED_REQ_INPUT,
-                             "UpdateWeightsFromDistributedReqInput")
-        if not len(body["names"]) == len(body["dtypes"]) == len(body["shapes"]):
-            raise ConfigError("names, dtypes and shapes must have the same length")
-        if body.get("load_format") not in (None, "auto"):
-            raise ConfigError(f"load_format {body['load_format']!r} is not supported here; "
-                              "broadcast tensor by tensor (load_format null)")
-        name = body.get("group_name", "weight_update_group")
-        if name not in state.weight_groups:
-            return web.json_response({"success": False, "message": (
-                f"no weight-update group {name!r}: call /init_weights_update_group first")},
-                status=400)
-        group, device = state.weight_groups[name]
-        # receive first (the trainer is broadcasting now), then swap them in between two steps
-        try:
-            tensors = await asyncio.wait_for(in_daemon_thread(
-                receive_tensors, group, body["names"], body["dtypes"], body["shapes"], device),
-                state.options.weight_group_timeout_s)
-        except asyncio.TimeoutError:
-            return web.json_response({"success": False, "message": (
-                f"the broadcast of {len(body['names'])} tensors did not complete within "
-                f"{state.options.weight_group_timeout_s:g} s; is the trainer broadcasting?")},
-                status=400)
-        return await _load_tensors(body, tensors)
-
     async def destroy_group(request: web.Request) -> web.Response:
         from palaestra.engines.weights.weight_group import destroy_weight_group
 
@@ -204,57 +250,51 @@ def add_weight_routes(r: web.UrlDispatcher, state: ServerState) -> None:
         return web.json_response({"success": True,
                                   "message": "Succeeded to destroy custom process group."})
 
-    async def weights_by_name(request: web.Request) -> web.Response:
-        raw = await read_json(request, state)
-        if raw is None:  # GET with a query string instead of SGLang's JSON body
-            raw = {k: int(v) if k == "truncate_size" and v.lstrip("-").isdigit() else v
-                   for k, v in request.query.items()}
-        body = sp.check_body(raw, sp.GET_WEIGHTS_BY_NAME_REQ_INPUT, "GetWeightsByNameReqInput")
-        values = engine.get_weight(body["name"], int(body.get("truncate_size", 100)))
-        return web.json_response(values)
+    r.add_post("/init_weights_update_group", init_group)
+    r.add_post("/destroy_weights_update_group", destroy_group)
 
-    def _lora_answer(ok: bool, error: str | None) -> web.Response:
-        """SGLang's LoRAUpdateOutput: success, error_message, loaded_adapters (name -> path)."""
-        runtime = engine.decoder.lora
-        loaded = {n: runtime.adapter(n).source for n in runtime.names} if runtime else {}
-        return web.json_response({"success": ok, "error_message": error,
-                                  "loaded_adapters": loaded}, status=200 if ok else 400)
 
-    def _lora_body(body: Any, fields: tuple[str, ...]) -> dict[str, Any]:
-        allowed = {*fields, "pinned", "lora_id", "rid"}
-        if not isinstance(body, dict) or set(body) - allowed:
-            raise ConfigError(f"the body takes {', '.join(sorted(allowed))}; got "
-                              f"{sorted(body) if isinstance(body, dict) else type(body).__name__}")
-        for key in fields:
-            if not isinstance(body.get(key), str) or not body[key]:
-                raise ConfigError(f"{key} must be a non-empty string")
-        return body
+def _lora_answer(state: ServerState, ok: bool, error: str | None) -> web.Response:
+    """SGLang's LoRAUpdateOutput: success, error_message, loaded_adapters (name -> path)."""
+    from aiohttp import web
+
+    runtime = state.engine.decoder.lora
+    loaded = {n: runtime.adapter(n).source for n in runtime.names} if runtime else {}
+    return web.json_response({"success": ok, "error_message": error,
+                              "loaded_adapters": loaded}, status=200 if ok else 400)
+
+
+def _lora_body(body: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    allowed = {*fields, "pinned", "lora_id", "rid"}
+    if not isinstance(body, dict) or set(body) - allowed:
+        raise ConfigError(f"the body takes {', '.join(sorted(allowed))}; got "
+                          f"{sorted(body) if isinstance(body, dict) else type(body).__name__}")
+    for key in fields:
+        if not isinstance(body.get(key), str) or not body[key]:
+            raise ConfigError(f"{key} must be a non-empty string")
+    return body
+
+
+def _add_lora_routes(r: web.UrlDispatcher, state: ServerState) -> None:
+    """Load and unload LoRA adapters by name."""
+    engine = state.engine
 
     async def load_lora(request: web.Request) -> web.Response:
         body = _lora_body(await read_json(request, state), ("lora_name", "lora_path"))
         try:
             await engine.load_lora_adapter(body["lora_name"], body["lora_path"])
         except EngineError as exc:
-            return _lora_answer(False, str(exc))
-        return _lora_answer(True, None)
+            return _lora_answer(state, False, str(exc))
+        return _lora_answer(state, True, None)
 
     async def unload_lora(request: web.Request) -> web.Response:
         body = _lora_body(await read_json(request, state), ("lora_name",))
         try:
             await engine.unload_lora_adapter(body["lora_name"])
         except EngineError as exc:
-            return _lora_answer(False, str(exc))
-        return _lora_answer(True, None)
+            return _lora_answer(state, False, str(exc))
+        return _lora_answer(state, True, None)
 
-    r.add_get("/get_weight_version", weight_version)
-    r.add_post("/update_weight_version", update_weight_version)
-    r.add_post("/update_weights_from_disk", update_from_disk)
-    r.add_post("/update_weights_from_tensor", update_from_tensor)
-    r.add_post("/update_weights_from_distributed", update_from_distributed)
-    r.add_post("/init_weights_update_group", init_group)
-    r.add_post("/destroy_weights_update_group", destroy_group)
-    r.add_route("GET", "/get_weights_by_name", weights_by_name)
-    r.add_post("/get_weights_by_name", weights_by_name)
     r.add_post("/load_lora_adapter", load_lora)
     r.add_post("/unload_lora_adapter", unload_lora)
 
