@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING, Any
 from palaestra.errors import ConfigError
 
 if TYPE_CHECKING:
-    import torch
-
     from palaestra.engines.local.batch_sampling import BatchSampler
     from palaestra.engines.local.model import Decoder
     from palaestra.engines.local.request import LocalRequest

@@ -12,7 +12,6 @@ compute runs on the model runner's worker thread; all bookkeeping here happens o
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import itertools
 import time
@@ -23,27 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import EngineError
 from palaestra.engine import EngineUnavailableError, Generation, SamplingParams
-from palaestra.engines.local.prefix_cache import common_prefix_len
+from palaestra.engines.local.admission import admit
 from palaestra.engines.local.request import LocalRequest, StreamChunk
 
 if TYPE_CHECKING:
     from palaestra.engines.local.runner import ModelRunner
     from palaestra.engines.local.slots import KVSlots
-
-
-def _longest_shared(admitted: list[tuple[tuple[int, ...], LocalRequest]],
-                    ids: Sequence[int]) -> tuple[LocalRequest | None, int]:
-    """The admitted request (sorted by prompt) sharing the longest prefix with ``ids``."""
-    if not admitted:
-        return None, 0
-    probe = tuple(ids)
-    at = bisect.bisect_left(admitted, probe, key=lambda e: e[0])
-    best, shared = None, 0
-    for prompt, req in admitted[max(at - 1, 0) : at + 1]:
-        n = common_prefix_len(prompt, probe)
-        if n > shared:
-            best, shared = req, n
-    return best, shared
 
 
 class Scheduler:
@@ -230,7 +214,10 @@ class Scheduler:
                     if self.paused:
                         continue
                     self._reap_aborted()
-                    admitted = self._admit()
+                    admitted = admit(self.waiting, len(self.running),
+                                     max_running=self.max_running,
+                                     max_prefill_tokens=self.max_prefill_tokens,
+                                     cache=self.slots.prefix_cache)
                     if admitted:
                         await self._step(self.runner.prefill, admitted)
                     if self.running and not self.paused:
@@ -267,53 +254,6 @@ class Scheduler:
     def _reap_aborted(self) -> None:
         self._retire_many([(r, "abort", {"type": "abort", "message": r.abort_message or ""})
                            for r in self.running if r.abort_message is not None])
-
-    def _admit(self) -> list[LocalRequest]:
-        """Waiting requests for the next prefill, in arrival order, within the token budget.
-
-        A request that shares a longer prefix with one admitted in this same batch than the
-        prefix cache offers (another sample of the same prompt, the same system prompt) waits
-        one step: the admitted one's prompt KV is kept after its prefill, so the waiting one
-        then prefills only its own suffix.
-        """
-        from palaestra.engines.local.prefix_cache import KEY_TOKENS
-
-        admitted: list[LocalRequest] = []
-        budget = self.max_prefill_tokens
-        deferred: list[LocalRequest] = []
-        # admitted prompts per first-KEY_TOKENS key, sorted: the admitted prompt sharing the
-        # longest prefix with a new one is one of its two sorted neighbours, so each check is
-        # a bisection and two comparisons, not one per admitted prompt (256 samples of one
-        # system prompt made that quadratic: ~1 s of event-loop time per RL step)
-        by_key: dict[tuple[int, ...], list[tuple[tuple[int, ...], LocalRequest]]] = {}
-        cache = self.slots.prefix_cache
-        while self.waiting and len(self.running) + len(admitted) < self.max_running:
-            req = self.waiting[0]
-            entry, hit = (None, 0)
-            if cache is not None and req.lora is None:  # a named adapter's KV is its own
-                entry, hit = cache.match(req.input_ids)
-                hit = min(hit, len(req.input_ids) - 1)  # at least one token computes logits
-                best, shared = _longest_shared(by_key.get(tuple(req.input_ids[:KEY_TOKENS]), []),
-                                               req.input_ids)
-                if best is not None and \
-                        min(shared, len(req.input_ids) - 1) > max(hit, cache.min_tokens - 1):
-                    best.share_prompt = True
-                    deferred.append(self.waiting.popleft())
-                    continue
-            new = len(req.input_ids) - hit
-            if admitted and new > budget:
-                break
-            self.waiting.popleft()
-            req.entry, req.cached_tokens = (entry, hit) if hit > 0 else (None, 0)
-            req.slot = len(self.running) + len(admitted)
-            admitted.append(req)
-            if cache is not None and len(req.input_ids) >= cache.min_tokens and req.lora is None:
-                ids = tuple(req.input_ids)
-                bisect.insort(by_key.setdefault(ids[:KEY_TOKENS], []), (ids, req),
-                              key=lambda e: e[0])
-            budget -= new
-        self.waiting.extendleft(reversed(deferred))  # first in line for the next step
-        return admitted
 
     # --------------------------------------------------------------- bookkeeping (event loop)
     def _after_step(self, reqs: list[LocalRequest], tokens: list[list[int]],
