@@ -88,7 +88,7 @@ def _prompts(state: ServerState, prompt: Any) -> list[tuple[list[int], str | Non
 
 def _choice(state: ServerState, req: CompletionRequest, index: int, gen: Generation,
             prompt: tuple[list[int], str | None], stop_ids: frozenset[int]) -> dict[str, Any]:
-    from palaestra.engines.serve.openai_api import final_text
+    from palaestra.engines.serve.openai_common import final_text
 
     tok = state.tokenizer
     text = final_text(tok, gen, stop_ids)
@@ -115,7 +115,7 @@ def handler(state: ServerState) -> Callable[[web.Request], Awaitable[web.StreamR
     """The ``POST /v1/completions`` handler over the server's state."""
 
     from palaestra.engines.serve.server_state import heavy_body, json_bytes, read_json
-    from palaestra.engines.serve.openai_api import (
+    from palaestra.engines.serve.openai_common import (
         check_model,
         openai_sampling,
         reseed,
@@ -178,7 +178,7 @@ async def _stream(request: web.Request, state: ServerState, req: CompletionReque
                   stop_ids: frozenset[int]) -> web.StreamResponse:
     from aiohttp import web
 
-    from palaestra.engines.serve.openai_api import _done, stream_text
+    from palaestra.engines.serve.openai_common import end_stream, stream_text
 
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "Cache-Control": "no-cache"})
@@ -200,14 +200,14 @@ async def _stream(request: web.Request, state: ServerState, req: CompletionReque
 
     streamed = await stream_text(state, resp, ids, params, cid, stop_ids, False, send_text)
     if streamed is None:
-        return await _done(resp)
+        return await end_stream(resp)
     final, text, sent = streamed
     await send(text[sent:] if len(text) > sent else "", final.finish_reason)
     if req.stream_options is not None and req.stream_options.include_usage:
         await send(None, None, {"prompt_tokens": len(ids),
                                 "completion_tokens": len(final.token_ids),
                                 "total_tokens": len(ids) + len(final.token_ids)})
-    return await _done(resp)
+    return await end_stream(resp)
 
 
 __all__ = ["handler"]

@@ -10,7 +10,7 @@ and grammars are refused.
 
 `build_app` puts the guard (keys, shutdown, errors in each route's shape) in front of the
 route modules: `routes_generate`, `routes_weights`, `routes_control`, and the OpenAI-compatible
-`openai_api` and `completions_api`.
+`openai_api` and `completions_api` (what those two share: `openai_common`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def build_app(state: ServerState) -> web.Application:
     """The aiohttp application with SGLang's native routes and the OpenAI-compatible ones."""
     from aiohttp import web
 
-    from palaestra.engines.serve import completions_api, openai_api
+    from palaestra.engines.serve import completions_api, openai_api, openai_common
 
     @web.middleware
     async def guard(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -54,7 +54,7 @@ def build_app(state: ServerState) -> web.Application:
         def fail(message: str, status: int, param: str | None = None,
                  code: str | None = None) -> web.Response:
             if openai_route:
-                return openai_api.error(message, status, param, code)
+                return openai_common.error(message, status, param, code)
             return error_response(message, status, param)
 
         refused = refusal(state.options, request.path, bearer(request))
