@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr_
     from palaestra.engines.local.local import (
         LocalEngine as LocalEngine,
     )
-    from palaestra.engines.local.local import (
+    from palaestra.engines.local.request import (
         StreamChunk as StreamChunk,
     )
     from palaestra.engines.clients.openai_engine import (
@@ -54,7 +54,7 @@ if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr_
 
 _LAZY = {
     "LocalEngine": "palaestra.engines.local.local",
-    "StreamChunk": "palaestra.engines.local.local",
+    "StreamChunk": "palaestra.engines.local.request",
     "SGLangClient": "palaestra.engines.clients.sglang",
     "SGLangEngine": "palaestra.engines.clients.sglang",
     "SGLangServerConfig": "palaestra.engines.clients.sglang",
