@@ -44,3 +44,16 @@ def test_mismatch_taken_before_the_update(tmp_path, micro_model, yes_env):
     stays as small as with one; the second update's forward would see moved weights."""
     _check(_run(tmp_path, micro_model, ["--trainer.torch.dtype", "float32",
                                         "--trainer.updates_per_batch", "2"]))
+
+
+def test_mismatch_logged_in_async_mode(tmp_path, micro_model, yes_env):
+    """Async mode: logged on every step as well; the trainer may be a version ahead of the
+    batch's sampler (max_staleness 1), so only its sanity is asserted."""
+    rows = _run(tmp_path, micro_model, ["--trainer.torch.dtype", "float32", "--rollout.mode",
+                                        "async", "--rollout.max_staleness", "1"])
+    assert len(rows) == 2
+    for r in rows:
+        top, mean = r["rollout/logprob_max_abs_diff"], r["rollout/logprob_mean_abs_diff"]
+        assert math.isfinite(top) and 0.0 <= mean <= top
+    print("async logprob |diff| max/mean per step:",
+          [(r["rollout/logprob_max_abs_diff"], r["rollout/logprob_mean_abs_diff"]) for r in rows])
