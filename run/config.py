@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, ValidationInfo, model_validator
 
 from palaestra.config import ConfigProblems, Section
+from palaestra.run.distill import DistillSection
 from palaestra.run.evaluation import EvalConfig as BenchmarkEvalConfig
 from palaestra.rollout.config import RolloutConfig
 from palaestra.run.placement import PlacementSection
@@ -382,6 +383,8 @@ class TrainConfig(Section):
     """Where ``[[rewards]]`` models run (inline or a Ray actor), batching, timeouts, retries."""
     placement: PlacementSection | None = None
     """Trainer ranks and engine GPUs over the cluster's nodes (None: one trainer process)."""
+    distill: DistillSection = Field(default_factory=DistillSection)
+    """On-policy distillation from a teacher model (``distill.teacher``; None: plain RL)."""
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> TrainConfig:

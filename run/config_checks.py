@@ -41,10 +41,12 @@ def config_problems(cfg: TrainConfig) -> list[Problem]:
     if cfg.warmup.steps > 0:
         out += _demonstration_problems(cfg)
     out += _reward_problems(cfg)
+    from palaestra.run.distill import distill_problems
     from palaestra.run.trainer_plan import placement_problems
     from palaestra.run.run_engines import engine_actor_problems
     from palaestra.run.services import services_problems
 
+    out += distill_problems(cfg)
     return out + services_problems(cfg) + placement_problems(cfg) + engine_actor_problems(cfg)
 
 

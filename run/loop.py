@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from palaestra.run.elastic import AdminServer, ElasticEngines
     from palaestra.run.colocate import ColocatedPhases
     from palaestra.trainers.ppo.step import PPOStepResult
+    from palaestra.trainers.torch_backend.backend import TorchBackend
     from palaestra.types import Sample
 
 
@@ -212,6 +213,8 @@ class RLRun:
         self.evaluator: TrainingEvaluation | None = None
         self.colocated: ColocatedPhases | None = None  # [placement] colocate: phase switches
         self._engine_seen: dict[str, float] = {}  # engine stats at the last step's end
+        self.teacher: TorchBackend | None = None  # [distill]: the backend holding the teacher
+        self._distill: dict[str, float] = {}  # this step's distill/* metrics
 
     @classmethod
     async def setup(cls, cfg: TrainConfig, run: RunDir, policy_path: Path, spec: AgentSpec,
@@ -258,8 +261,10 @@ class RLRun:
             print(f"[rl] rollout.over_sampling = {r.over_sampling} draws nothing ahead in sync "
                   "mode (exact batches: groups drawn ahead would finish by timing); it applies "
                   "in async mode", flush=True)
-        return cls(cfg, run, policy_path, spec, engine, sync, backend=backend, critic=critic,
-                   manager=manager, rewards=rewards, server=server)
+        rl = cls(cfg, run, policy_path, spec, engine, sync, backend=backend, critic=critic,
+                 manager=manager, rewards=rewards, server=server)
+        rl.teacher = _load_teacher(cfg, backend)
+        return rl
 
     async def resume(self) -> int:
         """The first step: from the newest ``rl-*`` checkpoint (its weights pushed to the
@@ -326,6 +331,7 @@ class RLRun:
             self._note(_failure_line(step, batch, run))
         train_metrics = ppo.metrics if ppo is not None else await self._train_steps(
             train_batch, step)
+        train_metrics, mismatch = _split_mismatch(train_metrics, ppo)
         t2 = time.perf_counter()
         push: WeightPush = (self.sync if elastic is None else elastic).weights_of(self.backend)
         if self.colocated is not None:  # engine weights back, push, trainer out, KV cache back
@@ -336,6 +342,8 @@ class RLRun:
                               rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
                               warmup_steps=cfg.warmup.steps)
         record.update(self.sync.metrics())
+        record.update(mismatch)  # rollout/logprob_{max,mean}_abs_diff
+        record.update(self._distill)  # distill/reverse_kl (with a teacher)
         if self.colocated is not None:  # memory/{rollout,train}_gib, memory/offloaded_gib
             record.update(self.colocated.metrics())
         record.update(self._engine_deltas())
@@ -383,20 +391,30 @@ class RLRun:
             ppo = await asyncio.to_thread(ppo_step, cfg, backend, self.critic, train_batch, step)
             self.counts["skipped_steps"] += len(ppo.skipped)
             return train_batch, ppo
-        return compute_advantages(await asyncio.to_thread(
-            with_reward_kl_logprobs, backend, train_batch, cfg.trainer.loss),
-            cfg.trainer.loss), None
+        train_batch = compute_advantages(await asyncio.to_thread(
+            with_reward_kl_logprobs, backend, train_batch, cfg.trainer.loss), cfg.trainer.loss)
+        if self.teacher is not None:  # the teacher scores every sampled token
+            from palaestra.run.distill import with_distillation
+
+            train_batch, self._distill = await asyncio.to_thread(
+                with_distillation, self.teacher, train_batch, cfg)
+        return train_batch, None
 
     async def _train_steps(self, train_batch: TrainBatch, step: int) -> dict[str, float]:
         """``trainer.updates_per_batch`` optimizer steps; the metrics of the last."""
         from palaestra.trainers.ppo.step import update_skipped
 
+        from palaestra.trainers.algorithms.mismatch import step_metrics
+
         cfg = self.cfg
         train_metrics: dict[str, float] = {}
-        for _ in range(cfg.trainer.updates_per_batch):
+        first: dict[str, float] = {}
+        for update in range(cfg.trainer.updates_per_batch):
             train_metrics = dict(await asyncio.to_thread(
                 self.backend.train_step, train_batch, cfg.trainer.loss
             ))
+            if update == 0:  # the weights that sampled the batch: the logprob mismatch
+                first = step_metrics(train_metrics)
             if update_skipped(train_metrics):
                 self.counts["skipped_steps"] += 1
                 self._note(
@@ -404,7 +422,9 @@ class RLRun:
                     f"{train_metrics.get('grad_norm')}, loss {train_metrics.get('loss')}):"
                     f" the optimizer step was skipped ({self.counts['skipped_steps']} so far)"
                 )
-        return train_metrics
+        # the mismatch of the first update's forward (all its micro-batches run before the
+        # optimizer step), under the raw keys `_split_mismatch` reads
+        return {**train_metrics, **{f"{_FIRST}{k}": v for k, v in first.items()}}
 
     async def checkpoint(self, step: int) -> None:
         """Save after ``step`` steps when one is due (every ``checkpoint.interval``, the last)."""
@@ -454,6 +474,45 @@ class RLRun:
             await self.server.close()
         if hasattr(self.backend, "close"):  # a trainer group: its actors and placement group
             self.backend.close()
+
+
+_FIRST = "first_update/"
+
+
+def _load_teacher(cfg: TrainConfig, backend: Any) -> TorchBackend | None:
+    """``[distill]``: the teacher loaded into the (torch) backend, which then scores with it."""
+    from palaestra.run.distill import teacher_path
+
+    path = teacher_path(cfg)
+    if path is None:
+        return None
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+
+    if not isinstance(backend, TorchBackend):  # refused at load (run/distill.py); a guard
+        from palaestra.errors import ConfigError
+
+        raise ConfigError(f"distill.teacher needs the torch backend in this process, not "
+                          f"{type(backend).__name__}")
+    backend.load_teacher(path)
+    return backend
+
+
+def _split_mismatch(train: dict[str, float], ppo: PPOStepResult | None
+                    ) -> tuple[dict[str, float], dict[str, float]]:
+    """(the train metrics to log, ``rollout/logprob_{max,mean}_abs_diff``): the trainer's
+    logprobs before the step's update against the engine's. GRPO & co: from the first update's
+    own forward (`_train_steps`); PPO: from its pi_old forward of the whole batch when it runs
+    one, else from its single actor update."""
+    from palaestra.trainers.algorithms.mismatch import batch_metrics, step_metrics, without_raw
+
+    first = {k[len(_FIRST):]: v for k, v in train.items() if k.startswith(_FIRST)}
+    rest = without_raw({k: v for k, v in train.items() if not k.startswith(_FIRST)})
+    if ppo is None:
+        return rest, first
+    b = ppo.batch
+    if b.old_logprobs is not None and b.rollout_logprobs is not None:
+        return rest, batch_metrics(b.old_logprobs, b.rollout_logprobs, b.loss_mask)
+    return rest, step_metrics(train) if train.get("ppo/actor_updates") == 1.0 else {}
 
 
 def _failure_line(step: int, batch: RolloutBatch, run: RunDir) -> str:
@@ -648,6 +707,10 @@ async def _train(cfg: TrainConfig, run: RunDir) -> dict[str, Any]:
     if not cfg.checkpoint.resume:
         run.write_state({})
     model_path = ensure_model(cfg)
+    from palaestra.run.distill import check_teacher, teacher_path
+
+    if (teacher := teacher_path(cfg)) is not None:  # the student exists now: same vocabulary?
+        check_teacher(teacher, model_path)
     spec = agent_spec(cfg.agent, model_path)
     try:
         if cfg.algorithm == "rm":

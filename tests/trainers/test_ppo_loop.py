@@ -143,6 +143,11 @@ def test_ppo_with_a_critic_learns_and_the_critic_explains_the_returns(setup):
                 "train/ppo/return_mean", "train/ppo/advantage_std", "time/critic_s",
                 "time/actor_s", "train/actor/clip_frac"):
         assert all(key in r for r in steps[1:]), key
+    # the engine-vs-trainer logprob mismatch, from PPO's pi_old forward (before the updates)
+    diffs = [(r["rollout/logprob_mean_abs_diff"], r["rollout/logprob_max_abs_diff"])
+             for r in steps[1:]]
+    assert all(0.0 <= mean <= top < 1e-3 for mean, top in diffs), diffs  # fp32: ~1e-6
+    assert not any(k.startswith("train/rollout/") for r in steps for k in r)
     evals = {json.loads(x)["stage"]: json.loads(x)["success_rate"]
              for x in (out / "eval.jsonl").read_text().splitlines()}
     assert evals["rl"] > evals["sft"], evals
@@ -190,8 +195,10 @@ def test_a_ppo_run_killed_mid_way_resumes_exactly_with_both_models(setup):
     assert sorted(b) == list(range(steps)), "steps are missing or repeated after the resume"
     for step in range(steps):
         x, y = _exact(a[step]), _exact(b[step])
-        kl = "train/actor/rollout_kl"  # engine logprobs: float rounding of its batch (~1e-6)
-        assert x.pop(kl, 0.0) == pytest.approx(y.pop(kl, 0.0), abs=1e-5)
+        # engine logprobs: float rounding of its batch (~1e-6), in these diagnostics
+        for kl in ("train/actor/rollout_kl", "rollout/logprob_max_abs_diff",
+                   "rollout/logprob_mean_abs_diff"):
+            assert x.pop(kl, 0.0) == pytest.approx(y.pop(kl, 0.0), abs=1e-5)
         assert x == y, (step, {k: (x.get(k), y.get(k)) for k in x if x.get(k) != y.get(k)})
     assert all(a[s]["train/critic/grad_norm"] > 0 for s in a)
     last = f"rl-{steps:06d}"

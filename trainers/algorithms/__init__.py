@@ -12,6 +12,8 @@ Modules (each documents its formulas):
 - ``value_loss``: PPO's clipped value loss
 - ``supervised``: SFT (masked NLL) and DPO
 - ``objective``: the loss of one micro-batch under a ``LossConfig``
+- ``mismatch``: the rollout/trainer logprob mismatch (``rollout/logprob_max_abs_diff``)
+- ``distill``: on-policy distillation's per-token reverse-KL advantages
 
 Names are re-exported lazily, so ``from palaestra.trainers.algorithms import LossConfig`` does
 not import torch.

@@ -23,6 +23,7 @@ import torch
 from palaestra.errors import ConfigError
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.algorithms.kl import kl_estimate
+from palaestra.trainers.algorithms.mismatch import MAX_METRICS, logprob_diff_stats, merge_metric
 from palaestra.trainers.algorithms.policy_loss import gspo_loss, ppo_clip_loss, tis_weights
 from palaestra.trainers.algorithms.supervised import dpo_loss
 from palaestra.trainers.algorithms.value_loss import clipped_value_loss
@@ -96,6 +97,7 @@ def rl_loss(
     if rollout_logp is not None:
         # k3 of the trainer's vs the engine's logprobs: how off-policy the rollout really is
         metrics["actor/rollout_kl"] = _wsum(weights, kl_estimate(logp.detach(), rollout_logp, "k3"))
+        metrics.update(logprob_diff_stats(logp.detach(), rollout_logp, loss_mask))
     metrics["loss"] = loss.detach()
     return loss, metrics
 
@@ -215,10 +217,12 @@ def value_loss_micro(
 
 
 __all__ = [
+    "MAX_METRICS",
     "PAIR_WEIGHT",
     "batch_loss_weights",
     "check_train_batch",
     "dpo_loss_micro",
+    "merge_metric",
     "rl_loss",
     "sequence_fields",
     "sequence_sums",

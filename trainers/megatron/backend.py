@@ -463,14 +463,24 @@ class MegatronBackend:
             all_names: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
             dist.all_gather_object(all_names, names, group=ps.get_pipeline_model_parallel_group())
             names = max(all_names, key=len)
+        from palaestra.trainers.algorithms.objective import MAX_METRICS
+
         zero = torch.zeros((), device=self.device)
+        maxed = [k for k in names if k in MAX_METRICS]  # e.g. the largest logprob mismatch
+        names = [k for k in names if k not in MAX_METRICS]
         sums = torch.stack([sum((o[k] for o in outs if k in o), zero) for k in names]) \
             if names else torch.zeros(0, device=self.device)
+        maxima = torch.stack([torch.stack([o[k] for o in outs if k in o] or [zero]).max()
+                              for k in maxed]) if maxed else torch.zeros(0, device=self.device)
         if ps.get_data_parallel_world_size() > 1:
             dist.all_reduce(sums, group=ps.get_data_parallel_group())
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(sums, group=ps.get_pipeline_model_parallel_group())
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX,
+                            group=ps.get_pipeline_model_parallel_group())
         metrics = {k: float(v) for k, v in zip(names, sums.tolist())}
+        metrics.update({k: float(v) for k, v in zip(maxed, maxima.tolist())})
         metrics.update(grad_norm=float(grad_norm or 0.0), update_ok=float(bool(ok)),
                        lr=float(self.optimizer.param_groups[0]["lr"]),
                        # the bookkeeping keys TorchBackend reports, which the loop logs

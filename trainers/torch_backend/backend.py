@@ -33,10 +33,12 @@ import torch
 from palaestra.errors import ConfigError
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.algorithms.objective import (
+    MAX_METRICS,
     PAIR_WEIGHT,
     batch_loss_weights,
     check_train_batch,
     dpo_loss_micro,
+    merge_metric,
     rl_loss,
     sequence_fields,
     sft_loss_micro,
@@ -54,6 +56,7 @@ from palaestra.trainers.torch_backend.config import TorchBackendConfig
 from palaestra.trainers.torch_backend.distributed import (
     DistInfo,
     all_gather_objects,
+    all_reduce_max,
     all_reduce_max_int,
     all_reduce_sum,
     apply_fsdp2,
@@ -174,6 +177,7 @@ class TorchBackend:
         if self.config.ref_model and self.lora is None:  # LoRA: the adapter-disabled policy
             ref_path = Path(self.config.ref_model_path or self.model_path)
             self.ref_model = self._load_model(ref_path, trainable=False)
+        self.teacher_model: torch.nn.Module | None = None  # `load_teacher`: distillation
         self.optimizer = build_optimizer(self.model.parameters(), self.config)
         self.scheduler = build_scheduler(self.optimizer, self.config)
         self.step = 0
@@ -339,10 +343,13 @@ class TorchBackend:
 
     @torch.no_grad()
     def _forward_all(
-        self, batch: TrainBatch, *, ref: bool, with_entropy: bool
+        self, batch: TrainBatch, *, ref: bool, with_entropy: bool,
+        model: torch.nn.Module | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        model = self.model
         adapter_off = ref and self.lora is not None and self.config.ref_model
+        if model is not None:  # another frozen model (the teacher)
+            ref, adapter_off = False, False
+        model = self.model if model is None else model
         if adapter_off:
             pass  # LoRA's reference: the same model with the adapter disabled (no copy)
         elif ref:
@@ -388,6 +395,22 @@ class TorchBackend:
         if self.config.critic and not ref:
             raise ConfigError("this backend is a critic; use forward_values()")
         return self._forward_all(batch, ref=ref, with_entropy=False)[0]
+
+    def load_teacher(self, path: str | Path) -> None:
+        """Load the frozen teacher of on-policy distillation (a Hugging Face folder with the
+        policy's vocabulary) on this backend's device, in eval mode, without gradients."""
+        if self.fsdp:
+            raise ConfigError("distill.teacher runs in one trainer process (the teacher is not "
+                              "sharded with FSDP2 here): drop torchrun")
+        self.teacher_model = self._load_model(Path(path), trainable=False)
+
+    def forward_teacher_logprobs(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """The teacher's ``log p(token_t | tokens_<t)`` of every token of ``batch`` (batched
+        no-grad forwards, aligned like `forward_logprobs`); `load_teacher` first."""
+        if self.teacher_model is None:
+            raise ConfigError("forward_teacher_logprobs() needs load_teacher(path) first")
+        return self._forward_all(batch, ref=False, with_entropy=False,
+                                 model=self.teacher_model)[0]
 
     def forward_logprobs_with_entropy(
         self, batch: TrainBatch, *, ref: bool = False
@@ -492,9 +515,11 @@ class TorchBackend:
             # FSDP2 averages gradients over ranks; the weights already sum to the batch loss
             (loss * self.dist.world_size).backward()
             for k, v in metrics.items():
-                sums[k] += float(v)
+                sums[k] = merge_metric(k, sums[k], float(v))
         grad_norm = self._clip_and_step()
+        maxima = {k: sums.pop(k) for k in MAX_METRICS if k in sums}
         result = all_reduce_sum(dict(sums), self.dist)
+        result.update(all_reduce_max(maxima, self.dist))
         result.update(grad_norm=grad_norm, lr=self._last_lr, num_micro_batches=float(steps))
         result["num_tokens"] = float(batch.num_tokens)
         result["num_loss_tokens"] = float(batch.num_loss_tokens)
@@ -643,7 +668,7 @@ class TorchBackend:
     def _move_state(self, device: torch.device) -> None:
         if self.device.type == "cpu":
             return
-        models = [m for m in (self.model, self.ref_model) if m is not None]
+        models = [m for m in (self.model, self.ref_model, self.teacher_model) if m is not None]
         for model in models:
             for p in model.parameters():
                 p.data = p.data.to(device, non_blocking=True)

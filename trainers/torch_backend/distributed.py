@@ -103,6 +103,18 @@ def all_reduce_sum(values: dict[str, float], info: DistInfo) -> dict[str, float]
     return dict(zip(keys, buf.tolist()))
 
 
+def all_reduce_max(values: dict[str, float], info: DistInfo) -> dict[str, float]:
+    """Maximum of a dict of floats over ranks (same keys on every rank)."""
+    if not info.is_distributed or not values:
+        return values
+    import torch.distributed as dist
+
+    keys = sorted(values)
+    buf = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=info.device)
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, buf.tolist()))
+
+
 def all_reduce_max_int(value: int, info: DistInfo) -> int:
     """Maximum of an int over ranks."""
     if not info.is_distributed:
