@@ -10,6 +10,8 @@ sampled text becomes a message. The template itself is the tokenizer's own chat 
   arguments go to the template as objects (Llama templates apply ``tojson`` to them).
 - ``search_r1`` (``search-r1``): tag protocol in the text; the env's prompt describes the tools.
 - ``python`` (``python_blocks``, ``code``): fenced code in the text; the env's prompt describes it.
+- ``smollm2`` (``smollm``): SmolLM2-Instruct's tool format (`palaestra.tool_parsers.smollm2`):
+  tools in the system turn by its own template, calls kept in the text the model wrote.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from palaestra.errors import ConfigError
 from palaestra.tool_parsers import ALIASES as PARSER_ALIASES
 from palaestra.tool_parsers import Parser, get_parser
+from palaestra.tool_parsers.smollm2 import SMOLLM2_TOOLS_TEMPLATE
 from palaestra.types import Message
 
 # End-of-turn tokens a family may emit besides the template's own turn end and the EOS token.
@@ -111,6 +114,9 @@ FAMILIES: dict[str, Renderer] = {
     ),
     "python": Renderer(
         "python", get_parser("python"), tools_in_template=False, tool_calls_in_template=False
+    ),
+    "smollm2": Renderer(
+        "smollm2", get_parser("smollm2"), chat_template=SMOLLM2_TOOLS_TEMPLATE
     ),
 }
 

@@ -46,7 +46,8 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
 def make_agent(tokenizer_or_path: Any, family: str = "qwen", **kwargs: Any) -> Agent:
     """An `Agent` for a model family; a path is loaded through the per-process cache.
 
-    ``chat_template=`` overrides the tokenizer's template; other keywords go to `Agent`.
+    ``chat_template=`` overrides the family's (else the tokenizer's) template; other keywords go
+    to `Agent`.
     """
     tokenizer = (
         load_tokenizer(tokenizer_or_path)
@@ -54,8 +55,9 @@ def make_agent(tokenizer_or_path: Any, family: str = "qwen", **kwargs: Any) -> A
         else tokenizer_or_path
     )
     renderer = get_renderer(family)
-    if "chat_template" in kwargs:
-        renderer = renderer.with_template(kwargs.pop("chat_template"))
+    chat_template = kwargs.pop("chat_template", None)
+    if chat_template is not None:  # None keeps the family's template (smollm2 brings its own)
+        renderer = renderer.with_template(chat_template)
     if not kwargs.pop("tools_in_prompt", True):
         # the env's own prompt describes its tools (short prompts for small models)
         renderer = dataclasses.replace(renderer, tools_in_template=False)

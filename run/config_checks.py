@@ -52,8 +52,16 @@ def config_problems(cfg: TrainConfig) -> list[Problem]:
 
 def launch_problems(cfg: TrainConfig) -> list[Problem]:
     """Problems a real run has on this machine (a dry run only plans, e.g. for a GPU host)."""
+    from palaestra.model_import import KNOWN_MODELS
+
     path = Path(cfg.model.path.replace("{out}", cfg.out))
-    if cfg.model.init_size is None and not (path / "config.json").is_file():
+    if cfg.model.init_from is not None and cfg.model.init_from not in KNOWN_MODELS:
+        return [Problem(("model.init_from",), (
+            f"model.init_from = {cfg.model.init_from!r} is not a known model; choose one of "
+            f"{sorted(KNOWN_MODELS)} (or convert a GGUF with `palaestra init-model --from-gguf`)"))]
+    if cfg.model.init_size is None and cfg.model.init_from is None and not (
+        path / "config.json"
+    ).is_file():
         return [Problem(("model.path",), (
             f"model.path = {cfg.model.path!r}: no Hugging Face checkpoint there (no "
             f"config.json in {str(path)!r}); point model.path at one, or set "

@@ -69,12 +69,16 @@ def ensure_model(cfg: TrainConfig) -> Path:
     path = Path(cfg.model.path.replace("{out}", cfg.out))
     if (path / "config.json").exists():
         return path
+    if cfg.model.init_from is not None:
+        from palaestra.model_import import import_model
+
+        return import_model(cfg.model.init_from, path, dtype=cfg.model.init_dtype)
     if cfg.model.init_size is None:
         from palaestra.errors import ConfigError
 
         raise ConfigError(
             f"no model at {str(path)!r}: point model.path at a Hugging Face checkpoint, or set "
-            "model.init_size (e.g. \"tiny\") to build a local one there"
+            "model.init_size (e.g. \"tiny\") or model.init_from to build or fetch one there"
         )
     from palaestra.tiny_model import build_model
 

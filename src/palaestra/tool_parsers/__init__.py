@@ -9,6 +9,7 @@ the model sampled (`palaestra.agents` renderers), and an env parses a plain-text
   or ``<|python_tag|>`` calls.
 - ``search_r1`` (``search-r1``, ``searchr1``): ``<search>query</search>`` tags.
 - ``python`` (``python_blocks``, ``code``): fenced python code blocks.
+- ``smollm2`` (``smollm``): SmolLM2-Instruct's ``<tool_call>[{json}, ...]</tool_call>`` arrays.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from palaestra.errors import ConfigError
 from palaestra.tool_parsers.common import Parser, number_calls, split_reasoning
 from palaestra.tool_parsers.hermes import HermesParser
 from palaestra.tool_parsers.llama import Llama3Parser
+from palaestra.tool_parsers.smollm2 import SmolLM2Parser
 from palaestra.tool_parsers.text_protocols import PythonBlockParser, SearchR1Parser
 
 #: parser name -> parser (parsers are stateless)
 PARSERS: dict[str, Parser] = {
-    p.name: p for p in (HermesParser(), Llama3Parser(), SearchR1Parser(), PythonBlockParser())
+    p.name: p
+    for p in (HermesParser(), Llama3Parser(), SearchR1Parser(), PythonBlockParser(),
+              SmolLM2Parser())
 }
 
 #: other accepted names (model family names among them) -> parser name
@@ -38,6 +42,7 @@ ALIASES: dict[str, str] = {
     "searchr1": "search_r1",
     "python_blocks": "python",
     "code": "python",
+    "smollm": "smollm2",
 }
 
 
@@ -64,6 +69,7 @@ __all__ = [
     "Parser",
     "PythonBlockParser",
     "SearchR1Parser",
+    "SmolLM2Parser",
     "get_parser",
     "number_calls",
     "parser_name",
