@@ -22,9 +22,9 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard, cast
 
-from palaestra.contracts import AdapterTrainer
+from palaestra.contracts import AdapterSettings, AdapterTrainer
 from palaestra.engine import AdapterServing
 from palaestra.errors import ConfigError
 from palaestra.run.weight_pushes import SyncPush, choose_push
@@ -224,7 +224,8 @@ class EngineSync:
             raise ConfigError("LoRA to servers needs an engine with /load_lora_adapter "
                               "(SGLangEngine) and a run directory (EngineSync.from_config)")
         start = time.perf_counter()
-        name = f"{backend.lora.adapter_name}-v{version}"
+        lora = cast(AdapterSettings, backend.lora)  # set: only an adapter push gets here
+        name = f"{lora.adapter_name}-v{version}"
         folder = backend.export_adapter(self.adapter_dir / name)
         await engine.load_lora_adapter(name, str(folder))
         old, self._served_adapter = self._served_adapter, (name, folder)

@@ -34,7 +34,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from palaestra.config import save_resolved
 from palaestra.run.builders import agent_spec, build_backend, build_engine
@@ -278,11 +278,12 @@ class RLRun:
         latest = run.latest_checkpoint("rl") if cfg.checkpoint.resume else None
         if latest is not None:
             state = backend.load(latest)  # the saved extras sit beside the backend's own keys
-            start_step = int(state["rl_step"])
-            self.counts.update(state.get("counts", {}))
+            # the extras `_save_rl` wrote: the step, the counters, the rollout state
+            start_step = int(cast(int, state["rl_step"]))
+            self.counts.update(cast("dict[str, int]", state.get("counts", {})))
             if self.critic is not None:
                 self.critic.load(latest / "critic")
-            self.manager.load_state_dict(state["rollout"])
+            self.manager.load_state_dict(cast("dict[str, Any]", state["rollout"]))
             await self.sync.push_now(backend, start_step)
             run.truncate_metrics_after("rl", start_step - 1)
             print(f"resumed RL from {latest.name} (step {start_step})", flush=True)

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
-from palaestra.contracts import AdapterTrainer, WeightSource, trains_adapter
+from palaestra.contracts import AdapterSettings, AdapterTrainer, WeightSource, trains_adapter
 from palaestra.engine import AdapterHost
 
 if TYPE_CHECKING:
@@ -89,7 +89,8 @@ class AdapterInProcessPush:
         dtype = self.sync.dtype or getattr(self.engine, "dtype", None)  # what it computes in
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
-        await self.engine.update_adapter(state, config, name=backend.lora.adapter_name,
+        lora = cast(AdapterSettings, backend.lora)  # set: choose_push checked trains_adapter
+        await self.engine.update_adapter(state, config, name=lora.adapter_name,
                                          version=version)
         return TransferStats(time.perf_counter() - start,
                              sum(t.numel() * t.element_size() for t in state.values()),

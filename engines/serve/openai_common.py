@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from palaestra.errors import EngineError
 from palaestra.engine import Generation, SamplingParams
@@ -103,7 +103,8 @@ def completion_text(tokenizer: Any, token_ids: list[int], stop_ids: frozenset[in
 def final_text(tokenizer: Any, gen: Generation, stop_ids: frozenset[int]) -> str:
     """A finished generation's text: the stop token and a matched stop string cut."""
     text = completion_text(tokenizer, list(gen.token_ids), stop_ids)
-    matched = (gen.meta.get("finish_reason") or {}).get("matched")
+    finish = cast("Mapping[str, object]", gen.meta.get("finish_reason") or {})  # SGLang's
+    matched = finish.get("matched")
     if isinstance(matched, str) and matched in text:
         text = text[: text.index(matched)]
     return text

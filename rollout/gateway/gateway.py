@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from time import perf_counter
-from typing import Any
+from typing import Any, cast
 
 from palaestra.errors import ConfigError, EngineError
 from palaestra.engine import Generation, SamplingParams, TokenGenerator
@@ -283,7 +283,8 @@ class Gateway:
 def token_versions(gen: Generation) -> list[int]:
     """The weight version of each sampled token (spans of ``meta`` when an update landed)."""
     n = len(gen.token_ids)
-    spans = gen.meta.get("weight_version_spans") if gen.meta else None
+    spans = cast("list[list[int]] | None",  # [start, version] pairs from the engine
+                 gen.meta.get("weight_version_spans") if gen.meta else None)
     if not spans:
         return [int(gen.weight_version)] * n
     out = []

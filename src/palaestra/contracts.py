@@ -11,13 +11,20 @@ never names `palaestra.envs.Env`; the loop never names `TorchBackend` or `Megatr
 - `TrainerBackend`: a policy being trained: `WeightSource` + optimizer steps, log-probs,
   checkpoints and the Hugging Face export. Generic in its batch and loss-config types, which
   belong to trainers (``TrainerBackend[TrainBatch, LossConfig]``).
+- `Tokenizer`: what agents, rollout, serving and runs call on a tokenizer (a Hugging Face
+  ``PreTrainedTokenizerBase`` satisfies it structurally; engines know no tokenizer).
+- `Offloadable`, `MemoryReporting`, `Closeable`: what a colocated run and its teardown call on a
+  trainer (moving its state off the GPU and back, per-rank memory, release).
+
+mypy checks this module with ``disallow_any_explicit`` (pyproject.toml): no ``Any`` here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
 from palaestra.types import Message
 
@@ -30,6 +37,9 @@ LossT_contra = TypeVar("LossT_contra", contravariant=True)
 #: an env's observation: the new chat messages of the turn
 Observation = Sequence[Message]
 
+#: a filesystem path as callers pass one
+StrPath = str | os.PathLike[str]
+
 
 @runtime_checkable
 class RolloutEnv(Protocol):
@@ -37,14 +47,14 @@ class RolloutEnv(Protocol):
     `palaestra.episode_info` (``ResetInfo``/``StepInfo``)."""
 
     async def areset(
-        self, *, seed: int | None = None, options: dict[str, Any] | None = None
-    ) -> tuple[Observation, dict[str, Any]]:
+        self, *, seed: int | None = None, options: dict[str, object] | None = None
+    ) -> tuple[Observation, dict[str, object]]:
         """Start an episode (``options["task"]``: the task row); the first observation + info."""
         ...
 
     async def astep(
         self, action: Message | str
-    ) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+    ) -> tuple[Observation, float, bool, bool, dict[str, object]]:
         """Apply one assistant message: observation, reward, terminated, truncated, info."""
         ...
 
@@ -84,17 +94,24 @@ class TrainerBackend(WeightSource, Protocol[BatchT_contra, LossT_contra]):
         """Per-sequence log-probs of the batch's tokens (``ref``: under the reference model)."""
         ...
 
-    def save(self, directory: Any, /, *, extra: dict[str, Any] | None = None) -> Path:
+    def save(self, directory: str | Path, /, *, extra: dict[str, object] | None = None) -> Path:
         """Checkpoint into ``directory`` (a path); ``extra`` is returned by `load`."""
         ...
 
-    def load(self, directory: Any, /) -> dict[str, Any]:
+    def load(self, directory: str | Path, /) -> dict[str, object]:
         """Restore a `save` checkpoint; its state (``step``, the saved extras)."""
         ...
 
-    def export_hf(self, directory: Any, /, *, dtype: torch.dtype | None = None) -> Path:
+    def export_hf(self, directory: str | Path, /, *, dtype: torch.dtype | None = None) -> Path:
         """A ``from_pretrained``-loadable model (and tokenizer) in ``directory``."""
         ...
+
+
+class AdapterSettings(Protocol):
+    """What a weight push reads of a LoRA adapter's settings."""
+
+    @property
+    def adapter_name(self) -> str: ...
 
 
 @runtime_checkable
@@ -102,9 +119,12 @@ class AdapterTrainer(Protocol):
     """A backend that can train a LoRA adapter: with ``lora`` set, only the adapter goes to
     engines that host adapters (`palaestra.engine.AdapterHost`, `AdapterServing`)."""
 
-    lora: Any
+    @property
+    def lora(self) -> AdapterSettings | None:
+        """The adapter being trained (None: full weights)."""
+        ...
 
-    def adapter_for_engines(self) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    def adapter_for_engines(self) -> tuple[dict[str, torch.Tensor], dict[str, object]] | None:
         """The adapter's state dict and peft config (None without one)."""
         ...
 
@@ -113,10 +133,87 @@ class AdapterTrainer(Protocol):
         ...
 
 
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the package calls on a tokenizer: text <-> ids, the chat template, special ids.
+
+    A Hugging Face ``PreTrainedTokenizerBase`` satisfies it structurally (its parameters are
+    wider, its returns no wider); test doubles implement the members their code path calls.
+    """
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def pad_token_id(self) -> int | None: ...
+
+    def encode(self, text: str, /, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``."""
+        ...
+
+    def decode(self, token_ids: list[int], /, *, skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None) -> str | list[str]:
+        """The text of ``token_ids`` (Hugging Face types the return wider; it is a str here)."""
+        ...
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, str]],
+        /,
+        *,
+        tools: list[dict[str, object] | Callable[[], object]] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+    ) -> object:
+        """The rendered conversation: text with ``tokenize=False``, else token ids. Callers pass
+        the template's own keywords (``enable_thinking``, ...) through ``**``: Hugging Face's
+        keywords are typed, so the protocol names only those the package passes by name."""
+        ...
+
+    def convert_tokens_to_ids(self, tokens: str, /) -> int | list[int]:
+        """The id of one token string."""
+        ...
+
+    def get_vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included."""
+        ...
+
+    def save_pretrained(self, save_directory: StrPath, /) -> tuple[str, ...]:
+        """Write the tokenizer's files into ``save_directory``."""
+        ...
+
+
+@runtime_checkable
+class Offloadable(Protocol):
+    """A trainer whose device state (weights, grads, optimizer) can leave the GPU while a
+    colocated engine generates, and come back. A group returns one dict per rank."""
+
+    def offload(self) -> object: ...
+
+    def onload(self) -> object: ...
+
+
+@runtime_checkable
+class MemoryReporting(Protocol):
+    """A trainer that reports its device memory (``allocated_gib``, ``peak_gib``; a group: one
+    dict per rank)."""
+
+    def memory(self) -> Mapping[str, float] | list[dict[str, float]]: ...
+
+
+@runtime_checkable
+class Closeable(Protocol):
+    """Releases its resources (processes, actors, files); safe to call twice."""
+
+    def close(self) -> None: ...
+
+
 def trains_adapter(backend: object) -> bool:
     """Whether ``backend`` trains a LoRA adapter now (an `AdapterTrainer` with ``lora`` set)."""
     return isinstance(backend, AdapterTrainer) and backend.lora is not None
 
 
-__all__ = ["AdapterTrainer", "Observation", "RolloutEnv", "TrainerBackend", "WeightSource",
+__all__ = ["AdapterTrainer", "Closeable", "MemoryReporting", "Observation", "Offloadable",
+           "RolloutEnv", "StrPath", "Tokenizer", "TrainerBackend", "WeightSource",
            "trains_adapter"]

@@ -13,9 +13,12 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from palaestra.errors import ConfigError, EngineError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,11 @@ class SamplingParams:
         return self.temperature < 1e-6 or self.top_k == 1
 
     @classmethod
-    def from_sglang(cls, params: Mapping[str, Any] | None) -> SamplingParams:
-        """Parse SGLang's ``sampling_params`` object (unknown keys are an error, None = default)."""
+    def from_sglang(cls, params: Mapping[str, Any] | None) -> SamplingParams:  # type: ignore[explicit-any]
+        """Parse SGLang's ``sampling_params`` object (unknown keys are an error, None = default).
+
+        The one ``Any`` of this module: a request's JSON, passed on as it came and checked by
+        ``__post_init__`` (which raises `ConfigError` for a bad value)."""
         params = dict(params or {})
         unknown = sorted(set(params) - _SGLANG_SAMPLING_KEYS)
         if unknown:
@@ -76,7 +82,7 @@ class SamplingParams:
                 f"sampling_params {sorted(ignored)} are not implemented by this engine; "
                 "leave them at their defaults"
             )
-        kw: dict[str, Any] = {}
+        kw: dict[str, Any] = {}  # type: ignore[explicit-any]
         for key in ("max_new_tokens", "temperature", "top_p", "top_k"):
             if params.get(key) is not None:
                 kw[key] = params[key]
@@ -95,9 +101,9 @@ class SamplingParams:
             kw["logit_bias"] = tuple((int(k), float(v)) for k, v in params["logit_bias"].items())
         return cls(**kw)
 
-    def to_sglang(self) -> dict[str, Any]:
+    def to_sglang(self) -> dict[str, object]:
         """The ``sampling_params`` object of SGLang's ``/generate``."""
-        out: dict[str, Any] = {
+        out: dict[str, object] = {
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -127,7 +133,7 @@ _SGLANG_SAMPLING_KEYS = frozenset(
         "structural_tag", "custom_params", "stop_regex",
     }
 )
-_SGLANG_NEUTRAL: dict[str, tuple[Any, ...]] = {
+_SGLANG_NEUTRAL: dict[str, tuple[object, ...]] = {
     "min_p": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "presence_penalty": (None, 0, 0.0),
@@ -155,7 +161,7 @@ class Generation:
     weight_version: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    meta: Mapping[str, Any] = field(default_factory=dict)
+    meta: Mapping[str, object] = field(default_factory=dict)
 
 
 class EngineUnavailableError(EngineError):
@@ -189,7 +195,7 @@ class Engine(TokenGenerator, Protocol):
 
     async def update_weights(
         self,
-        state_dict: Mapping[str, Any] | None = None,
+        state_dict: Mapping[str, torch.Tensor] | None = None,
         *,
         path: str | None = None,
         version: int | None = None,
@@ -217,7 +223,7 @@ class Engine(TokenGenerator, Protocol):
 class AdapterHost(Protocol):
     """Applies a trainer's LoRA adapter in process (the embedded engine)."""
 
-    async def update_adapter(self, state: Mapping[str, Any], config: Mapping[str, Any], *,
+    async def update_adapter(self, state: Mapping[str, torch.Tensor], config: Mapping[str, object], *,
                              name: str = "policy", version: int | None = None) -> None: ...
 
 
@@ -228,9 +234,9 @@ class AdapterServing(Protocol):
 
     default_lora: str | None
 
-    async def load_lora_adapter(self, name: str, path: str) -> Any: ...
+    async def load_lora_adapter(self, name: str, path: str) -> object: ...
 
-    async def unload_lora_adapter(self, name: str) -> Any: ...
+    async def unload_lora_adapter(self, name: str) -> object: ...
 
 
 @runtime_checkable
