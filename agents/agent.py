@@ -41,6 +41,7 @@ from palaestra.tool_parsers import number_calls
 from palaestra.types import Message, Sample, StopReason, as_message
 
 if TYPE_CHECKING:  # the engine contract lives in core; any object with these fields is accepted
+    from palaestra.contracts import Tokenizer
     from palaestra.engine import Generation
 
 
@@ -56,7 +57,7 @@ class Agent:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         renderer: Renderer | str = "qwen",
         *,
         max_context: int = 4096,

@@ -19,13 +19,16 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import ConfigError
 from palaestra.tool_parsers import ALIASES as PARSER_ALIASES
 from palaestra.tool_parsers import Parser, get_parser
 from palaestra.tool_parsers.smollm2 import SMOLLM2_TOOLS_TEMPLATE
 from palaestra.types import Message
+
+if TYPE_CHECKING:
+    from palaestra.contracts import Tokenizer
 
 # End-of-turn tokens a family may emit besides the template's own turn end and the EOS token.
 _COMMON_STOPS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>")
@@ -65,7 +68,7 @@ class Renderer:
 
     def render(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         messages: Sequence[Message],
         *,
         tools: Sequence[Mapping[str, Any]] = (),

@@ -13,15 +13,18 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palaestra.agents.agent import Agent
 from palaestra.agents.renderers import get_renderer
 from palaestra.errors import ConfigError
 
+if TYPE_CHECKING:
+    from palaestra.contracts import Tokenizer
+
 
 @functools.lru_cache(maxsize=16)
-def _load(name: str) -> Any:
+def _load(name: str) -> Tokenizer:
     if (Path(name) / "tokenizer.json").is_file():
         # The generic fast tokenizer reads tokenizer.json as is and, unlike AutoTokenizer, does
         # not import torch: rollout workers only tokenize.
@@ -33,7 +36,7 @@ def _load(name: str) -> Any:
     return AutoTokenizer.from_pretrained(name)
 
 
-def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+def load_tokenizer(path: str | os.PathLike[str]) -> Tokenizer:
     """The tokenizer at ``path`` (a model directory), loaded once per process."""
     local = Path(path).expanduser()
     if local.exists():
@@ -43,7 +46,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> Any:
     return _load(str(path))  # a hub id, resolved by transformers (from its local cache)
 
 
-def make_agent(tokenizer_or_path: Any, family: str = "qwen", **kwargs: Any) -> Agent:
+def make_agent(tokenizer_or_path: Tokenizer | str | os.PathLike[str], family: str = "qwen", **kwargs: Any) -> Agent:
     """An `Agent` for a model family; a path is loaded through the per-process cache.
 
     ``chat_template=`` overrides the family's (else the tokenizer's) template; other keywords go

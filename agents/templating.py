@@ -24,11 +24,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palaestra.agents.renderers import Renderer, get_renderer
 from palaestra.errors import ConfigError, RolloutError
 from palaestra.types import Message
+
+if TYPE_CHECKING:
+    from palaestra.contracts import Tokenizer
 
 _SENTINEL = "PALAESTRA-SENTINEL-5a1f"
 _BASE_USER = "PALAESTRA-BASE-USER"
@@ -67,7 +70,7 @@ class ChatTemplate:
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         renderer: Renderer | str = "qwen",
         *,
         enable_thinking: bool | None = None,

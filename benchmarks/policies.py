@@ -28,6 +28,7 @@ from palaestra.types import Trajectory
 
 if TYPE_CHECKING:
     from palaestra.benchmarks.runner import SampleRequest
+    from palaestra.contracts import Tokenizer
 
 
 class RetryingEngine:
@@ -83,7 +84,7 @@ class TokenPolicy:
     def __init__(
         self,
         engine: Engine,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         *,
         model: str,
         family: str = "qwen",

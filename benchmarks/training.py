@@ -17,10 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palaestra.engine import Engine
 from palaestra.run.evaluation import EvalConfig
+
+if TYPE_CHECKING:
+    from palaestra.contracts import Tokenizer
 
 
 def flatten(summaries: Mapping[str, Mapping[str, Any]], prefix: str = "eval") -> dict[str, float]:
@@ -53,7 +56,7 @@ class TrainingEvaluator:
         self,
         config: EvalConfig,
         *,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         family: str = "qwen",
         max_context: int = 4096,
         tools_in_prompt: bool = True,

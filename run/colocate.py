@@ -27,6 +27,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from palaestra.contracts import MemoryReporting, Offloadable
 from palaestra.engine import MemoryReleasing
 from palaestra.trainers.memory import GIB, device_state_bytes, gpu_memory
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from palaestra.engines.weights.push import WeightPush
 
 
-def engine_device_bytes(engine: Any) -> int | None:
+def engine_device_bytes(engine: object) -> int | None:
     """GPU bytes the embedded engine holds (KV cache, weights off the CPU); None for servers.
     On CPU its KV cache (the only part that a release frees there)."""
     cache = getattr(engine, "cache", None)
@@ -42,8 +43,8 @@ def engine_device_bytes(engine: Any) -> int | None:
     if cache is None or decoder is None:
         return None
     total = int(cache.num_bytes())
-    if getattr(engine, "device", None) is not None and engine.device.type != "cpu" \
-            and _decoder_on_device(decoder):
+    device = getattr(engine, "device", None)
+    if device is not None and device.type != "cpu" and _decoder_on_device(decoder):
         total += int(decoder.num_bytes())
     return total
 
@@ -56,8 +57,8 @@ def _decoder_on_device(decoder: Any) -> bool:
 class ColocatedPhases:
     """The phase switches of one colocated run (see the module doc)."""
 
-    def __init__(self, engine: Any, trainers: Sequence[Any]) -> None:
-        self.engine = engine
+    def __init__(self, engine: object, trainers: Sequence[object | None]) -> None:
+        self.engine = engine  # `MemoryReleasing`, or a router whose ``clients`` are
         self.trainers = [t for t in trainers if t is not None]
         self.phase = "train"  # setup leaves everything resident
         self.switches = 0
@@ -75,7 +76,7 @@ class ColocatedPhases:
     def _offload(self) -> None:
         moved = 0.0
         for trainer in self.trainers:
-            if not hasattr(trainer, "offload"):
+            if not isinstance(trainer, Offloadable):
                 continue
             before = device_state_bytes(trainer) / GIB
             out = trainer.offload()
@@ -87,7 +88,7 @@ class ColocatedPhases:
 
     def _onload(self) -> None:
         for trainer in self.trainers:
-            if hasattr(trainer, "onload"):
+            if isinstance(trainer, Offloadable):
                 trainer.onload()
 
     # ---------------------------------------------------------------------- measuring
@@ -103,7 +104,7 @@ class ColocatedPhases:
         if held is not None:
             self._record[f"memory/engine_{phase}_gib"] = held / GIB
         for trainer in self.trainers[:1]:
-            per_rank = trainer.memory() if hasattr(trainer, "memory") else None
+            per_rank = trainer.memory() if isinstance(trainer, MemoryReporting) else None
             if isinstance(per_rank, list):
                 for rank, m in enumerate(per_rank):
                     self._record[f"memory/rank{rank}/{phase}_gib"] = m["allocated_gib"]

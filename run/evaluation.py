@@ -18,6 +18,7 @@ import pydantic
 from palaestra.config import Section
 
 if TYPE_CHECKING:
+    from palaestra.contracts import Tokenizer
     from palaestra.engine import Engine
 
 #: the benchmarks' evaluator, loaded on first use (benchmarks depend on the run, not back)
@@ -78,7 +79,7 @@ class TrainingEvaluation(Protocol):
 def training_evaluator(
     config: EvalConfig,
     *,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     family: str,
     max_context: int,
     tools_in_prompt: bool,

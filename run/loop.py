@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from palaestra.config import save_resolved
+from palaestra.contracts import Closeable
 from palaestra.run.builders import agent_spec, build_backend, build_engine
 from palaestra.run.config import TrainConfig
 from palaestra.run.engine_sync import EngineSync
@@ -477,7 +478,7 @@ class RLRun:
             await self.rewards.close()
         if self.server is not None:
             await self.server.close()
-        if hasattr(self.backend, "close"):  # a trainer group: its actors and placement group
+        if isinstance(self.backend, Closeable):  # a trainer group: its actors, placement group
             self.backend.close()
 
 

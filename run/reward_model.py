@@ -21,16 +21,19 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import ConfigError
 from palaestra.run.config import TrainConfig
 from palaestra.run.run_dir import RunDir
 
+if TYPE_CHECKING:
+    from palaestra.contracts import Tokenizer
+
 Pair = tuple[list[int], list[int]]
 
 
-def load_pairs(cfg: TrainConfig, tokenizer: Any) -> tuple[list[Pair], list[Pair]]:
+def load_pairs(cfg: TrainConfig, tokenizer: Tokenizer) -> tuple[list[Pair], list[Pair]]:
     """Token ids of (chosen, rejected) for the training pairs and the held-out tail."""
     from palaestra.rollout.rewards.render import render_ids
     from palaestra.run.offline import _load_jsonl

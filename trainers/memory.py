@@ -26,7 +26,7 @@ def gpu_memory(device: Any = None) -> dict[str, float]:
             "peak_gib": torch.cuda.max_memory_allocated(device) / GIB}
 
 
-def _tensors_of(backend: Any) -> list[torch.Tensor]:
+def _tensors_of(backend: object) -> list[torch.Tensor]:
     import torch
 
     out: list[torch.Tensor] = []
@@ -44,7 +44,7 @@ def _tensors_of(backend: Any) -> list[torch.Tensor]:
     return out
 
 
-def device_state_bytes(backend: Any) -> int:
+def device_state_bytes(backend: object) -> int:
     """Bytes of the backend's parameters, gradients and optimizer state on an accelerator
     (what ``offload`` moves to host memory; 0 on CPU)."""
     seen = {t.data_ptr(): t.numel() * t.element_size()

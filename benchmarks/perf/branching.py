@@ -123,7 +123,7 @@ class CodePolicy:
         from palaestra.agents import load_tokenizer
 
         tok = self._tok = self._tok or load_tokenizer(self.tokenizer_path)
-        text = tok.decode(list(input_ids), skip_special_tokens=False)
+        text = str(tok.decode(list(input_ids), skip_special_tokens=False))
         turn = text.count("<|im_start|>assistant") - 1
         if turn == 0:
             start = re.findall(r"x = (\d+)", text)[-1]

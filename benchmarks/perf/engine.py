@@ -43,7 +43,10 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from palaestra.contracts import ChatTool, Tokenizer
 
 PEAK_BW_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0}
 QWEN3_SHAPES = ("qwen3-0.6b", "qwen3-1.7b")  # model cards in trainers.dry_run.NAMED_SHAPES
@@ -140,9 +143,9 @@ def _fmt_row(row: dict[str, Any]) -> str:
 
 
 # -------------------------------------------------------------------------------- multi-turn
-def _episode_tokens(tokenizer: Any) -> tuple[list[int], list[list[int]]]:
+def _episode_tokens(tokenizer: Tokenizer) -> tuple[list[int], list[list[int]]]:
     """The first prompt (system with a tool schema + a question) and 3 tool-response deltas."""
-    tools = [{"type": "function", "function": {
+    tools: list[ChatTool] = [{"type": "function", "function": {
         "name": "calculator", "description": "Evaluate an arithmetic expression exactly.",
         "parameters": {"type": "object", "properties": {"expression": {
             "type": "string", "description": "the expression, e.g. 12 * (3 + 4)"}},
@@ -157,8 +160,8 @@ def _episode_tokens(tokenizer: Any) -> tuple[list[int], list[list[int]]]:
         {"role": "user", "content": "A shop sells 17 boxes of 24 pencils and 9 boxes of 36 "
                                     "pencils. How many pencils are there, and what is the "
                                     "total price at 3 dollars per dozen?"}]
-    first = tokenizer.encode(tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=False),
+    first = tokenizer.encode(str(tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False)),
         add_special_tokens=False)
     # tool results: a calculator value, a search result of three short documents (Search-R1
     # style), another calculator value
@@ -176,7 +179,7 @@ def _episode_tokens(tokenizer: Any) -> tuple[list[int], list[list[int]]]:
     return first, deltas
 
 
-def multi_turn(engine: Any, hf: Any, tokenizer: Any, episodes: int, turn_tokens: int,
+def multi_turn(engine: Any, hf: Any, tokenizer: Tokenizer, episodes: int, turn_tokens: int,
                repeats: int) -> dict[str, Any]:
     from palaestra.engine import SamplingParams
 

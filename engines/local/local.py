@@ -33,6 +33,7 @@ from palaestra.engines.local.scheduler import Scheduler
 from palaestra.engines.local.slots import KVSlots, new_slot_cache
 
 if TYPE_CHECKING:
+    from palaestra.contracts import Tokenizer
     from palaestra.engines.local.kv_cache import SlotKVCache
     from palaestra.engines.local.model import Decoder
 
@@ -62,7 +63,7 @@ class LocalEngine:
         use_thread: bool = True,
         cuda_graphs: bool = True,
         decode_steps: int | None = None,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         lora_mode: str = "merged",
         decode_attention: str = "auto",
     ) -> None:
@@ -173,7 +174,7 @@ class LocalEngine:
         self._scheduler.version = int(version)
 
     @property
-    def tokenizer(self) -> Any:
+    def tokenizer(self) -> Tokenizer:
         """The checkpoint's tokenizer (loaded on first use; only stop strings and serving need it)."""
         if self._tokenizer is None:
             if self.model_path is None:

@@ -26,6 +26,7 @@ from palaestra.engines.local.admission import admit
 from palaestra.engines.local.request import LocalRequest, StreamChunk
 
 if TYPE_CHECKING:
+    from palaestra.contracts import Tokenizer
     from palaestra.engines.local.runner import ModelRunner
     from palaestra.engines.local.slots import KVSlots
 
@@ -41,7 +42,7 @@ class Scheduler:
 
     def __init__(self, runner: ModelRunner, slots: KVSlots, counters: dict[str, int], *,
                  max_running: int, max_prefill_tokens: int, max_model_len: int,
-                 eos_token_ids: frozenset[int], tokenizer: Callable[[], Any]) -> None:
+                 eos_token_ids: frozenset[int], tokenizer: Callable[[], Tokenizer]) -> None:
         self.runner = runner
         self.slots = slots
         self.counters = counters

@@ -120,7 +120,7 @@ def add_routes(app: web.Application, state: ServerState) -> None:
                 entry: dict[str, Any] = {"index": i, "message": message, "logprobs": None,
                                          "finish_reason": _finish(gen.finish_reason, message)}
                 if req.logprobs:
-                    pieces = [state.tokenizer.decode([t]) for t in gen.token_ids]
+                    pieces = [str(state.tokenizer.decode([t])) for t in gen.token_ids]
                     entry["logprobs"] = {"content": [
                         {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
                         for p, lp in zip(pieces, gen.logprobs)]}

@@ -25,6 +25,7 @@ from palaestra.engines.serve.serve_requests import (
 from palaestra.types import Message
 
 if TYPE_CHECKING:
+    from palaestra.contracts import Tokenizer
     from aiohttp import web
 
     from palaestra.engines.serve.server_state import ServerState
@@ -64,7 +65,7 @@ def check_model(state: ServerState, model: str | None) -> None:
                      f"`{state.model_name}` (GET /v1/models).", "model", "model_not_found", 404)
 
 
-def render_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None,
+def render_text(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[Any] | None,
                 template_kwargs: dict[str, Any] | None = None) -> str:
     """The chat-template rendering with the generation prompt (tokenizer thread)."""
     try:
@@ -84,7 +85,7 @@ def render_text(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any]
                          f"{type(exc).__name__}: {exc}", "messages", "invalid_value") from exc
 
 
-def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[Any] | None,
+def render_prompt(tokenizer: Tokenizer, messages: list[dict[str, Any]], tools: list[Any] | None,
                   template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """Token ids of the chat-template rendering with the generation prompt."""
     if not isinstance(messages, list) or not messages:
@@ -93,14 +94,14 @@ def render_prompt(tokenizer: Any, messages: list[dict[str, Any]], tools: list[An
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def completion_text(tokenizer: Any, token_ids: list[int], stop_ids: frozenset[int]) -> str:
+def completion_text(tokenizer: Tokenizer, token_ids: list[int], stop_ids: frozenset[int]) -> str:
     """Decoded completion with special tokens kept (tool-call tags) but the final stop token cut."""
     if token_ids and token_ids[-1] in stop_ids:
         token_ids = token_ids[:-1]
     return str(tokenizer.decode(token_ids, skip_special_tokens=False))
 
 
-def final_text(tokenizer: Any, gen: Generation, stop_ids: frozenset[int]) -> str:
+def final_text(tokenizer: Tokenizer, gen: Generation, stop_ids: frozenset[int]) -> str:
     """A finished generation's text: the stop token and a matched stop string cut."""
     text = completion_text(tokenizer, list(gen.token_ids), stop_ids)
     finish = cast("Mapping[str, object]", gen.meta.get("finish_reason") or {})  # SGLang's

@@ -24,13 +24,14 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import asyncio
 
     from aiohttp import web
 
+    from palaestra.contracts import Tokenizer
     from palaestra.engines.serve.server_state import ServerState
     from palaestra.engines.local.local import LocalEngine
     from palaestra.engines.serve.serve_guard import ServeOptions
@@ -102,7 +103,7 @@ async def _wait_idle(state: ServerState, grace_s: float, stop: asyncio.Event | N
 
 
 async def start_server(engine: LocalEngine, *, host: str = "127.0.0.1", port: int = 0,
-                       tokenizer: Any = None, model_name: str | None = None,
+                       tokenizer: Tokenizer | None = None, model_name: str | None = None,
                        options: ServeOptions | None = None) -> RunningServer:
     """Serve ``engine`` on ``host:port`` (0 = a free port) inside the running event loop."""
     from aiohttp import web

@@ -25,6 +25,7 @@ from palaestra.engines.serve.serve_requests import (
 if TYPE_CHECKING:
     from aiohttp import web
 
+    from palaestra.contracts import Tokenizer
     from palaestra.engines.local.local import LocalEngine
 
 T = TypeVar("T")
@@ -36,7 +37,7 @@ class ServerState:
     the tokenizer thread and the count of requests in flight (for a graceful shutdown)."""
 
     engine: LocalEngine
-    tokenizer: Any
+    tokenizer: Tokenizer
     model_name: str
     model_path: str
     host: str = "127.0.0.1"

@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from time import perf_counter
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from palaestra.errors import ConfigError, EngineError
 from palaestra.engine import Generation, SamplingParams, TokenGenerator
@@ -30,6 +30,9 @@ from palaestra.rollout.gateway.engine_info import is_context_overflow
 from palaestra.rollout.gateway.session import GatewayError, Session, SessionLimits
 from palaestra.rollout.gateway.template import ChatTokens
 from palaestra.types import Message
+
+if TYPE_CHECKING:
+    from palaestra.contracts import Tokenizer
 
 MAX_ABORTS = 200  # a call whose generation is aborted more often than this fails
 DEFAULT_MAX_CONTEXT = 4096  # tokens per sample when neither the caller nor the engine says
@@ -57,7 +60,7 @@ class Gateway:
     def __init__(
         self,
         engine: TokenGenerator,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         family: Any = "qwen",
         *,
         model_name: str = "policy",

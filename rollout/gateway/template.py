@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palaestra.tool_parsers.common import split_reasoning
 from palaestra.agents.renderers import Renderer
 from palaestra.agents.templating import ChatTemplate, TemplateDeltaError
 from palaestra.types import Message
+
+if TYPE_CHECKING:
+    from palaestra.contracts import Tokenizer
 
 
 class ChatTokens(ChatTemplate):
@@ -24,7 +27,7 @@ class ChatTokens(ChatTemplate):
 
     def __init__(
         self,
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         renderer: Renderer | str = "qwen",
         *,
         enable_thinking: bool | None = None,

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from palaestra.contracts import Tokenizer
 
 Conversation = Sequence[Mapping[str, Any]]
 
 
-def render_text(tokenizer: Any, messages: Conversation) -> str:
+def render_text(tokenizer: Tokenizer, messages: Conversation) -> str:
     """The conversation as one string for a reward model's tokenizer."""
     wire = [dict(m) for m in messages]
     if getattr(tokenizer, "chat_template", None):
@@ -25,7 +28,7 @@ def render_text(tokenizer: Any, messages: Conversation) -> str:
     return "".join(f"{m['role']}: {transcript_content(m)}\n" for m in wire)
 
 
-def render_ids(tokenizer: Any, messages: Conversation) -> list[int]:
+def render_ids(tokenizer: Tokenizer, messages: Conversation) -> list[int]:
     """Token ids of `render_text` (the template already holds the special tokens)."""
     return list(tokenizer(render_text(tokenizer, messages), add_special_tokens=False)["input_ids"])
 

@@ -40,6 +40,9 @@ Observation = Sequence[Message]
 #: a filesystem path as callers pass one
 StrPath = str | os.PathLike[str]
 
+#: a tool as a chat template takes it: its JSON schema (Hugging Face also takes a Python function)
+ChatTool = dict[str, object] | Callable[[], object]
+
 
 @runtime_checkable
 class RolloutEnv(Protocol):
@@ -161,7 +164,7 @@ class Tokenizer(Protocol):
         conversation: list[dict[str, str]],
         /,
         *,
-        tools: list[dict[str, object] | Callable[[], object]] | None = None,
+        tools: list[ChatTool] | None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = False,
         tokenize: bool = True,
@@ -173,6 +176,15 @@ class Tokenizer(Protocol):
 
     def convert_tokens_to_ids(self, tokens: str, /) -> int | list[int]:
         """The id of one token string."""
+        ...
+
+    def __len__(self) -> int:
+        """The vocabulary's size, added tokens included."""
+        ...
+
+    def __call__(self, text: str, /, *, add_special_tokens: bool = True
+                 ) -> Mapping[str, list[int]]:
+        """``encode`` as a batch: ``["input_ids"]`` holds the token ids."""
         ...
 
     def get_vocab(self) -> dict[str, int]:
@@ -214,6 +226,6 @@ def trains_adapter(backend: object) -> bool:
     return isinstance(backend, AdapterTrainer) and backend.lora is not None
 
 
-__all__ = ["AdapterTrainer", "Closeable", "MemoryReporting", "Observation", "Offloadable",
+__all__ = ["AdapterSettings", "AdapterTrainer", "ChatTool", "Closeable", "MemoryReporting", "Observation", "Offloadable",
            "RolloutEnv", "StrPath", "Tokenizer", "TrainerBackend", "WeightSource",
            "trains_adapter"]
