@@ -24,11 +24,23 @@ is trusted input, as its weights are), about 1 KB per episode of a few short tur
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from palaestra.errors import CheckpointError
 from palaestra.rollout.episode import EpisodeState
 from palaestra.types import Message, Trajectory
+
+if TYPE_CHECKING:
+    from palaestra.agents.agent import Agent
+
+
+class SnapshotEnv(Protocol):
+    """What saving and restoring an episode calls on its env (`palaestra.envs.Env` has both;
+    ``areplay``, when the env has one, is looked up by name)."""
+
+    def snapshot(self) -> bytes: ...
+
+    def restore(self, state: bytes, /) -> None: ...
 
 #: agent attributes that, with the transcript and conversation, make its episode state
 _AGENT_FLAGS = ("truncated", "last_finish_reason", "checks_drift", "_turn_start",
@@ -62,7 +74,7 @@ class SavedGroup:
     live: tuple[SavedEpisode | None, ...]
 
 
-def save_episode(env: Any, agent: Any, state: EpisodeState) -> SavedEpisode:
+def save_episode(env: SnapshotEnv, agent: Agent, state: EpisodeState) -> SavedEpisode:
     """The episode at its last completed turn (a cut turn rolled back)."""
     if not state.started:
         raise CheckpointError("save_episode: the episode has not started (nothing to save; "
@@ -89,7 +101,7 @@ def save_episode(env: Any, agent: Any, state: EpisodeState) -> SavedEpisode:
                         tuple(turn_ends), flags, rolled_back)
 
 
-def restore_episode(saved: SavedEpisode, env: Any, agent: Any) -> EpisodeState:
+def restore_episode(saved: SavedEpisode, env: SnapshotEnv, agent: Agent) -> EpisodeState:
     """Put ``saved`` into ``env`` (a fresh env of the same id and kwargs) and ``agent``; returns
     the state to play on with (``run_episode(..., state=...)``). Live resources: await
     `arestore_episode` instead."""
@@ -106,7 +118,7 @@ def restore_episode(saved: SavedEpisode, env: Any, agent: Any) -> EpisodeState:
     return replace(saved.state, turns=list(saved.state.turns))
 
 
-async def arestore_episode(saved: SavedEpisode, env: Any, agent: Any) -> EpisodeState:
+async def arestore_episode(saved: SavedEpisode, env: SnapshotEnv, agent: Agent) -> EpisodeState:
     """`restore_episode`, then the env's ``areplay()`` (re-create live resources) if it has one."""
     state = restore_episode(saved, env, agent)
     replay = getattr(env, "areplay", None)
