@@ -28,7 +28,7 @@ from palaestra.types import Trajectory
 
 if TYPE_CHECKING:
     from palaestra.benchmarks.runner import SampleRequest
-    from palaestra.contracts import Tokenizer
+    from palaestra.contracts import RolloutEnv, Tokenizer
 
 
 class RetryingEngine:
@@ -125,7 +125,8 @@ class TokenPolicy:
         options.setdefault("enable_thinking", self.enable_thinking)
         return make_agent(self.tokenizer, family, **options)
 
-    async def play(self, env: Any, benchmark: Benchmark, request: SampleRequest) -> Trajectory:
+    async def play(self, env: RolloutEnv, benchmark: Benchmark, request: SampleRequest
+                   ) -> Trajectory:
         from palaestra.rollout.episode import TokenPlayer
 
         player = TokenPlayer(self.agent_for(benchmark), self.engine)
@@ -148,7 +149,8 @@ class ChatPolicy:
         if check is not None:
             await check()
 
-    async def play(self, env: Any, benchmark: Benchmark, request: SampleRequest) -> Trajectory:
+    async def play(self, env: RolloutEnv, benchmark: Benchmark, request: SampleRequest
+                   ) -> Trajectory:
         sampling = request.sampling
         if benchmark.chat_stop:
             sampling = replace(sampling, stop=tuple(benchmark.chat_stop))

@@ -15,7 +15,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from palaestra.benchmarks.envpool import EnvPool, Tasks, preflight
 from palaestra.benchmarks.records import engine_failure, make_record, sample_seed
@@ -27,6 +27,9 @@ from palaestra.errors import ConfigError, EngineError
 from palaestra.engine import SamplingParams
 from palaestra.rollout.episode import EpisodeRequest, Player
 from palaestra.types import StopReason, Trajectory
+
+if TYPE_CHECKING:
+    from palaestra.contracts import RolloutEnv
 
 #: Episodes that may leave their env mid-step (a timed-out step, an exception): not reused.
 _UNSAFE = (StopReason.TIMEOUT, StopReason.ERROR)
@@ -43,7 +46,7 @@ class SampleRequest:
     max_turns: int | None
     step_timeout_s: float | None
 
-    def to_episode(self, env: Any, player: Player, *, env_id: str = "") -> EpisodeRequest:
+    def to_episode(self, env: RolloutEnv, player: Player, *, env_id: str = "") -> EpisodeRequest:
         """The rollout's `EpisodeRequest` of this sample for ``env`` played by ``player``."""
         return EpisodeRequest(
             env, player, self.sampling, seed=self.seed, task=self.task,
@@ -61,7 +64,8 @@ class Policy(Protocol):
     async def check(self) -> None:
         """Raise a clear `EngineError`/`ConfigError` when the model cannot be used (before work)."""
 
-    async def play(self, env: Any, benchmark: Benchmark, request: SampleRequest) -> Trajectory:
+    async def play(self, env: RolloutEnv, benchmark: Benchmark, request: SampleRequest
+                   ) -> Trajectory:
         """Play one episode; failures come back on the trajectory, never as exceptions."""
 
     async def close(self) -> None: ...
