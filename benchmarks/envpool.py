@@ -7,7 +7,7 @@ readable, one env builds) and raises a single `ConfigError` listing every proble
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from palaestra.benchmarks.spec import Benchmark
 from palaestra.benchmarks.registry import (
@@ -16,6 +16,9 @@ from palaestra.benchmarks.registry import (
     load_tasks,
 )
 from palaestra.errors import ConfigError
+
+if TYPE_CHECKING:
+    from palaestra.contracts import RolloutEnv
 
 #: (task id, task row or None, env seed or None) of each task of a benchmark
 Tasks = list[tuple[str, dict[str, Any] | None, int | None]]
@@ -44,7 +47,7 @@ class EnvPool:
         self.all.append(env)
         return env
 
-    def release(self, env: Any, *, reusable: bool = True) -> None:
+    def release(self, env: RolloutEnv, *, reusable: bool = True) -> None:
         if reusable:
             self.free.append(env)
             return
