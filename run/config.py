@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, model_validator
@@ -390,6 +391,10 @@ class TrainConfig(Section):
     """Trainer ranks and engine GPUs over the cluster's nodes (None: one trainer process)."""
     distill: DistillSection = Field(default_factory=DistillSection)
     """On-policy distillation from a teacher model (``distill.teacher``; None: plain RL)."""
+
+    def in_run(self, path: str) -> Path:
+        """A path setting with ``{out}`` (this run's directory) filled in."""
+        return Path(path.replace("{out}", self.out))
 
     @model_validator(mode="after")
     def _consistent(self, info: ValidationInfo) -> TrainConfig:

@@ -54,7 +54,7 @@ def launch_problems(cfg: TrainConfig) -> list[Problem]:
     """Problems a real run has on this machine (a dry run only plans, e.g. for a GPU host)."""
     from palaestra.model_import import KNOWN_MODELS
 
-    path = Path(cfg.model.path.replace("{out}", cfg.out))
+    path = cfg.in_run(cfg.model.path)
     if cfg.model.init_from is not None and cfg.model.init_from not in KNOWN_MODELS:
         return [Problem(("model.init_from",), (
             f"model.init_from = {cfg.model.init_from!r} is not a known model; choose one of "

@@ -58,7 +58,7 @@ def critic_backend_settings(cfg: TrainConfig) -> Any:
 def critic_model_path(cfg: TrainConfig, policy_path: Path) -> Path:
     """Where the critic starts: ``critic.model_path`` or the RL phase's initial policy."""
     if cfg.critic.model_path:
-        return Path(cfg.critic.model_path.replace("{out}", cfg.out))
+        return cfg.in_run(cfg.critic.model_path)
     return policy_path
 
 

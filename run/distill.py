@@ -39,7 +39,7 @@ class DistillSection(Section):
 
 def teacher_path(cfg: TrainConfig) -> Path | None:
     t = cfg.distill.teacher
-    return None if t is None else Path(t.replace("{out}", cfg.out))
+    return None if t is None else cfg.in_run(t)
 
 
 def distill_problems(cfg: TrainConfig) -> list[Problem]:
@@ -70,7 +70,7 @@ def distill_problems(cfg: TrainConfig) -> list[Problem]:
         out.append(Problem(("distill.coef", "distill.reward_coef"), (
             "distill.coef and distill.reward_coef are both 0: nothing would be trained; set "
             "--distill.coef 1")))
-    student = Path(cfg.model.path.replace("{out}", cfg.out))
+    student = cfg.in_run(cfg.model.path)
     try:
         check_teacher(path, student if (student / "config.json").is_file() else None)
     except ConfigError as e:
@@ -116,9 +116,10 @@ def _token_ids(model: Path) -> dict[str, int] | None:
     if not path.is_file():
         return None
     data: dict[str, Any] = json.loads(path.read_text())
-    vocab = dict(data.get("model", {}).get("vocab") or {})
-    if isinstance(vocab, list):  # unigram models: [[piece, score], ...]
-        vocab = {piece: i for i, (piece, _) in enumerate(vocab)}
+    raw = data.get("model", {}).get("vocab") or {}
+    # unigram models list [[piece, score], ...]: the id is the position, not the score
+    vocab = ({piece: i for i, (piece, _) in enumerate(raw)} if isinstance(raw, list)
+             else dict(raw))
     vocab.update({t["content"]: int(t["id"]) for t in data.get("added_tokens", [])})
     return vocab
 

@@ -38,7 +38,6 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from palaestra.errors import ConfigError
@@ -116,7 +115,7 @@ def resolve_shape(cfg: TrainConfig, environ: Mapping[str, str]) -> ModelShape | 
     from palaestra.trainers.megatron.arch import arch_from_hf_config
     from palaestra.trainers.megatron.flops import param_count
 
-    path = Path(cfg.model.path.replace("{out}", cfg.out))
+    path = cfg.in_run(cfg.model.path)
     hf: dict[str, Any] | None = None
     source = ""
     if (path / "config.json").is_file():

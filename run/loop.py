@@ -67,7 +67,7 @@ if TYPE_CHECKING:
 
 def ensure_model(cfg: TrainConfig) -> Path:
     """The policy checkpoint; built locally (``palaestra init-model``) when asked and missing."""
-    path = Path(cfg.model.path.replace("{out}", cfg.out))
+    path = cfg.in_run(cfg.model.path)
     if (path / "config.json").exists():
         return path
     if cfg.model.init_from is not None:
