@@ -86,13 +86,12 @@ def host_profile(step: Any, top: int = 30) -> list[dict[str, Any]]:
 
 
 def _variant(spec: str) -> tuple[str, dict[str, Any]]:
+    """``name:key=value,...`` -> the name and its settings, values parsed as on the command line
+    of ``palaestra train`` (TOML literals, else strings)."""
+    from palaestra.config import parse_overrides
+
     name, _, body = spec.partition(":")
-    settings: dict[str, Any] = {}
-    for item in filter(None, body.split(",")):
-        key, _, value = item.partition("=")
-        settings[key] = json.loads(value) if value not in ("auto", "varlen", "per_sequence") \
-            else value
-    return name, settings
+    return name, parse_overrides([f"--{item}" for item in body.split(",") if item])
 
 
 def main(argv: list[str] | None = None) -> int:
