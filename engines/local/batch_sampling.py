@@ -38,6 +38,8 @@ class BatchSampler:
         self.vocab_size = vocab_size
         self.device = device
         self.logits_processors: list[LogitsProcessor] = []
+        #: bitwise on-policy mode: logprobs from the batch-invariant log-softmax
+        self.invariant = False
         self._rng = torch.Generator().manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, reqs: list[LocalRequest]
@@ -77,7 +79,8 @@ class BatchSampler:
                                                 dim=1)
             uniforms = uniforms.to(dev)  # one host-to-device copy per call
         sampler = RowSampler([p.temperature for p in params], [p.top_p for p in params],
-                             [p.top_k for p in params], self.vocab_size, dev)
+                             [p.top_k for p in params], self.vocab_size, dev,
+                             invariant=self.invariant)
         return SamplingPlan(biases, sampler, uniforms)
 
     def sample_device(self, logits: torch.Tensor, reqs: list[LocalRequest],

@@ -66,6 +66,7 @@ class LocalEngine:
         tokenizer: Tokenizer | None = None,
         lora_mode: str = "merged",
         decode_attention: str = "auto",
+        bitwise: bool = False,
     ) -> None:
         import torch
 
@@ -88,6 +89,12 @@ class LocalEngine:
         else:
             self.decoder = load_decoder(model_path, dev, dtype)  # type: ignore[arg-type]
         cfg = self.decoder.config
+        #: bitwise on-policy mode: batch-invariant forwards and logprobs (`bitwise_forward`),
+        #: no CUDA graphs (a step's shapes follow its key length)
+        self.bitwise = bitwise
+        if bitwise:
+            self.decoder.enable_bitwise()
+            cuda_graphs, decode_attention = False, "dense"
         self.decode_attention = choose_decode_attention(self.decoder, dev, dtype, decode_attention)
         self.max_model_len = min(max_model_len or cfg.max_positions, cfg.max_positions)
         self.max_running = max_running
@@ -104,6 +111,7 @@ class LocalEngine:
         self._tokenizer = tokenizer
         self._slots = KVSlots(self.cache, self.prefix_cache)
         self._sampler = BatchSampler(cfg.vocab_size, dev, seed)
+        self._sampler.invariant = bitwise
         self.logits_processors: list[LogitsProcessor] = self._sampler.logits_processors
         # one dict: the scheduler counts requests and tokens out, the runner compute steps
         self.counters: dict[str, int] = dict.fromkeys(

@@ -29,6 +29,7 @@ from palaestra.engines.local.moe import MoEConfig
 if TYPE_CHECKING:
     import torch
 
+    from palaestra.engines.local.bitwise_forward import BitwiseWeights, KVStore
     from palaestra.engines.local.kv_cache import SlotKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
@@ -153,6 +154,9 @@ class Decoder:
     #: decode attention to each row's own length (`decode_attention`); the engine turns it on
     #: after its self-check (a class default: subclasses with their own __init__ inherit it)
     split_kv_attention = False
+    #: bitwise on-policy mode (`enable_bitwise`): every forward through
+    #: `palaestra.engines.local.bitwise_forward`, batch-invariant
+    bitwise = False
 
     def __init__(self, config: DecoderConfig, hf_config: Any, device: Any, dtype: Any,
                  qkv_bias: bool) -> None:
@@ -198,9 +202,7 @@ class Decoder:
         #: expert ids ``[N, K]`` each sparse layer chose in the last forward (None on dense ones)
         self.last_routes: list[torch.Tensor | None] = [None] * c.num_layers
         self._index_weights()
-        self.cos, self.sin = _rope_tables(hf_config, c, self.device, dtype)
-        half = c.head_dim // 2  # rotate_half(x) * sin == swap_halves(x) * (sin with -first half)
-        self.sin = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+        self.cos, self.sin = signed_rope_tables(hf_config, c, self.device, dtype)
         self.scale = c.head_dim**-0.5
 
     def _index_weights(self) -> None:
@@ -403,6 +405,35 @@ class Decoder:
             raise EngineError(f"model lacks {len(missing)} weights, e.g. {missing[:3]}")
         return model
 
+    # ----------------------------------------------------------------------------- bitwise
+    def enable_bitwise(self) -> None:
+        """Run every forward batch-invariantly (`bitwise_forward`): a token's logits then have
+        the same bits in any batch, and the same as the torch trainer's bitwise forward.
+        Dense Llama-family layers without served adapters only."""
+        if type(self) is not Decoder or self.config.moe is not None:
+            raise EngineError(f"bitwise on-policy mode covers dense Llama-family models, not "
+                              f"{self.config.model_type}: use trainer.on_policy = 'default'")
+        if self.lora is not None:
+            raise EngineError("bitwise on-policy mode does not serve LoRA adapters: merge them "
+                              "(lora_mode = 'merged') or use trainer.on_policy = 'default'")
+        self.bitwise = True
+        self.split_kv_attention = False
+
+    def bitwise_weights(self) -> BitwiseWeights:
+        """This decoder's tensors as `bitwise_forward` reads them (views, no copies)."""
+        from palaestra.engines.local.bitwise_forward import BitwiseWeights
+
+        return BitwiseWeights(self.config, self.embed, self.final_norm, self.lm_head,
+                              self.layers, self.cos, self.sin)
+
+    def _bitwise_logits(self, tokens: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
+                        store: KVStore, rows: torch.Tensor | None = None) -> torch.Tensor:
+        from palaestra.engines.local import bitwise_forward as bf
+
+        w = self.bitwise_weights()
+        h = bf.hidden_states(w, tokens, seq, pos, store)
+        return bf.logits(w, h if rows is None else h[rows])
+
     # ----------------------------------------------------------------------------- forward
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
         """``x * cos + rotate_half(x) * sin`` with the sign folded into ``sin_signed``."""
@@ -479,6 +510,11 @@ class Decoder:
         import torch
         import torch.nn.functional as F
 
+        if self.bitwise:
+            from palaestra.engines.local.bitwise_forward import SlotCacheStore
+
+            slots = torch.arange(tokens.shape[0], device=tokens.device)
+            return self._bitwise_logits(tokens, slots, positions, SlotCacheStore(cache))
         c = self.config
         b = tokens.shape[0]
         hkv, d = c.num_kv_heads, c.head_dim
@@ -530,6 +566,11 @@ class Decoder:
         import torch
         import torch.nn.functional as F
 
+        if self.bitwise:
+            from palaestra.engines.local.bitwise_forward import SlotCacheStore
+
+            return self._bitwise_logits(tokens, batch.slot_ids, batch.positions,
+                                        SlotCacheStore(cache), batch.last_index)
         c = self.config
         r = len(batch.lens)
         t_max = max(batch.lens)
@@ -568,8 +609,14 @@ class Decoder:
         import torch
         import torch.nn.functional as F
 
-        c = self.config
         n = tokens.shape[0]
+        if self.bitwise:
+            from palaestra.engines.local.bitwise_forward import PackedStore
+
+            zeros = torch.zeros(n, dtype=torch.long, device=tokens.device)
+            return self._bitwise_logits(tokens, zeros, torch.arange(n, device=tokens.device),
+                                        PackedStore(1, n))
+        c = self.config
         positions = torch.arange(n, device=tokens.device)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
@@ -601,6 +648,18 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=rep > 1
     )
+
+
+def signed_rope_tables(hf_config: Any, c: DecoderConfig, device: Any, dtype: Any
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin ``[max_positions, head_dim]``: ``rotate_half(x) * sin ==
+    swap_halves(x) * sin_signed`` with the first half of sin negated (what the decoders and
+    the trainer's bitwise forward apply)."""
+    import torch
+
+    cos, sin = _rope_tables(hf_config, c, device, dtype)
+    half = c.head_dim // 2
+    return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
 
 def _rope_tables(hf_config: Any, c: DecoderConfig, device: Any, dtype: Any
@@ -662,4 +721,5 @@ __all__ = [
     "ExtendBatch",
     "iter_safetensors",
     "safetensors_files",
+    "signed_rope_tables",
 ]

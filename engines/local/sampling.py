@@ -50,9 +50,12 @@ class RowSampler:
 
     def __init__(self, temperatures: Sequence[float], top_ps: Sequence[float],
                  top_ks: Sequence[int], vocab: int, device: torch.device | str,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, *, invariant: bool = False) -> None:
         import torch
 
+        #: bitwise on-policy mode: the logprobs from the batch-invariant log-softmax
+        #: (`palaestra.engines.local.invariant`), the trainer's in the same mode
+        self.invariant = invariant
         greedy = [t < 1e-6 or k == 1 for t, k in zip(temperatures, top_ks)]
         self.vocab = vocab
         self.all_greedy = all(greedy)
@@ -112,12 +115,20 @@ class RowSampler:
         import torch
 
         vocab = self.vocab
+        if self.invariant:
+            from palaestra.engines.local.invariant import log_softmax as invariant_log_softmax
+
+            if self.all_greedy:
+                tokens = logits.argmax(dim=-1)
+                return tokens, invariant_log_softmax(logits).gather(1, tokens[:, None]).squeeze(1)
         if self.all_greedy:
             tokens = logits.argmax(dim=-1)
             # logit - logsumexp: one read of the logits, no [B, V] log_softmax written
             logp = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
             return tokens, logp
-        logp_all = torch.log_softmax(logits / self.temps[:, None].to(logits.dtype), dim=-1)
+        scaled = logits / self.temps[:, None].to(logits.dtype)
+        logp_all = (invariant_log_softmax(scaled) if self.invariant
+                    else torch.log_softmax(scaled, dim=-1))
         probs = logp_all.exp()
         assert uniforms is not None, "uniforms are required when a row samples"
         u = uniforms.to(device=logits.device, dtype=logits.dtype)

@@ -168,6 +168,11 @@ class TorchBackend:
                               "model is not supported yet): drop torchrun or the lora section")
         self.kernels = "torch"  # "liger" once Liger's kernels are patched into the policy
         self.model = self._load_model(self.model_path, trainable=True)
+        self.bitwise: Any = None  # `bitwise.BitwiseForward` of the policy in bitwise mode
+        if self.config.on_policy == "bitwise":
+            from palaestra.trainers.torch_backend.bitwise import BitwiseForward
+
+            self.bitwise = BitwiseForward(self.model, self.compute_dtype)
         self.routing_replay: Any = None  # `RoutingReplay` of the policy when replaying
         if self.config.routing_replay == "rollout":
             from palaestra.trainers.routing_replay import RoutingReplay
@@ -190,6 +195,8 @@ class TorchBackend:
     def _compute_dtype(self) -> torch.dtype:
         if self.config.dtype != "auto":
             return _DTYPES[self.config.dtype]
+        if self.config.on_policy == "bitwise":  # the embedded engine's dtype on this device
+            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
         if self.device.type == "cuda" and torch.cuda.is_bf16_supported():
             return torch.bfloat16
         if self.device.type == "cpu" and not self.dist.is_distributed:
@@ -303,6 +310,9 @@ class TorchBackend:
         """Token logprobs ``[R, L]`` (with autograd) and the entropy (differentiable only with
         ``entropy_grad``), by the fused path where it applies, else from the logits."""
         temperature = self.config.logits_temperature
+        if self.bitwise is not None and model is self.model:
+            return self.bitwise.logprobs(model, mb, temperature=temperature,
+                                         with_entropy=with_entropy, entropy_grad=entropy_grad)
         head = self._fused_head(model)
         if head is None:  # chunked float32 work on the logits, recomputed in the backward
             logits, valid = self._run_model(model, mb)

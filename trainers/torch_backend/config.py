@@ -97,5 +97,11 @@ class TorchBackendConfig(OptimizerSettings):
     ``routed_experts``) in every training forward; the router still learns through the softmax
     probabilities of those experts (`palaestra.trainers.routing_replay`)."""
 
+    on_policy: Literal["default", "bitwise"] = "default"
+    """"bitwise": the policy's logprobs come from the batch-invariant forward the embedded
+    engine runs in the same mode (`palaestra.trainers.torch_backend.bitwise`), bit-equal to
+    the rollout's; float32 on CPU, the engine's dtype (bfloat16) on CUDA; dense models,
+    no LoRA, Liger or FSDP. Set through ``trainer.on_policy``."""
+
 
 __all__ = ["TorchBackendConfig"]

@@ -1,0 +1,230 @@
+"""Batch-invariant operations: each output row's bits depend on that row's inputs only.
+
+Bitwise on-policy mode (``trainer.on_policy = "bitwise"``) needs the engine's forward of a token
+(in a decode step of 1 or 200 rows, or in a prefill chunk, or from a prefix-cache hit) and the
+trainer's forward of the same token (in a packed micro-batch) to give the same bits. The default
+kernels do not: a float32 GEMM's row changes with the number of rows (on this repository's CPU,
+``F.linear`` of 1-15 rows differs from the same rows inside a 300-row call, and at K = 1536 the
+thread count changes it too), a reduction over one long row is split across threads when it is
+the only row, and CPU elementwise kernels take a vectorised path for most elements and a scalar
+path for a tail whose position depends on the tensor's size, with different ``sigmoid`` and
+``rsqrt`` results (4% and 50% of random inputs differ in the last bit). So every reduction here
+goes through one of two primitives whose order is fixed by construction, and elementwise work is
+written with operations that are the same on both paths:
+
+- `bmm_nt`: ``c[g] = a[g] @ b[g].T`` for matrices of a fixed shape. On CPU a torch ``bmm`` of at
+  least two matrices: torch then splits the batch over its threads and each matrix runs as one
+  single-threaded GEMM of that shape, whose rows do not depend on their position or on the
+  other rows (tested over row orders, batch counts 2-99 and thread counts). On CUDA a Triton
+  GEMM with fixed tiles (`palaestra.engines.local.invariant_triton`).
+- `row_sum`: a float32 sum over the last dim; on CPU torch's inner reduction with at least two
+  rows (one row alone is split across threads), on CUDA one Triton program per row.
+- `linear` cuts the rows into blocks of `ROW_BLOCK` (the last padded with zeros) and runs them as
+  one `bmm_nt` against the shared weight, so a row meets the same GEMM whatever came with it;
+  RMSNorm, the log-softmax and attention take their sums from `row_sum` and `bmm_nt`; the
+  elementwise parts use ``+ - * /``, ``sqrt``, ``exp`` and ``log`` only (correctly rounded, or
+  equal on the vector and scalar paths: 0 differences in 10^8 random ``exp`` inputs), never
+  ``sigmoid``, ``silu``, ``rsqrt`` or fused ``addcmul``/``addmm``.
+- `attention` (causal, grouped-query) runs every query row against key blocks of `KEY_BLOCK`
+  positions that start at position 0 of its sequence: the query rows of one (sequence, key/value
+  head) fill tiles of `ROW_BLOCK` rows, scores and value sums are `bmm_nt` products of a tile by
+  one key block, the row max is exact in any order, and the per-block value sums are added block
+  after block. A block past a query's position contributes exact zeros, so a decode step that
+  pads every row to the longest key length and a training forward of a short sequence agree.
+
+The gradient of every operation is plain torch autograd (or, on CUDA, a plain-torch backward of
+the Triton forward): the backward need not be invariant, only the forward that sampled.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+#: rows per GEMM block: every `linear` runs ``[ROW_BLOCK, K] x [K, N]`` products (32 measured
+#: 1.2-1.3x a plain GEMM over 3000 rows on CPU; 64 turns multi-threaded at G = 1 for some shapes)
+ROW_BLOCK = 32
+#: key positions per attention block
+KEY_BLOCK = 64
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def bmm_nt(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None
+           ) -> torch.Tensor:
+    """``c[g] = a[g] @ b[g].T`` for ``a [G, M, K]``, ``b [G, N, K]`` (b may be an expanded
+    view), accumulated in float32 where the inputs are lower precision; ``[G, M, N]``."""
+    import torch
+
+    if _on_cuda(a):
+        from palaestra.engines.local import invariant_triton
+
+        return invariant_triton.bmm_nt(a, b, out_dtype)
+    g = a.shape[0]
+    if g == 1:  # one matrix alone runs as a multi-threaded GEMM: pair it with a zero one
+        a = torch.cat((a, torch.zeros_like(a)))
+        b = b.expand(2, *b.shape[1:])
+    out = torch.bmm(a, b.transpose(1, 2))[:g]
+    return out if out_dtype is None else out.to(out_dtype)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Float32 sums of the rows of ``x [M, N]`` in an order that does not depend on M."""
+    import torch
+
+    x = x.float()
+    if _on_cuda(x):
+        from palaestra.engines.local import invariant_triton
+
+        return invariant_triton.row_sum(x.contiguous())
+    m = x.shape[0]
+    if m == 1:  # a single row's sum is split across threads: give it a zero companion
+        x = torch.cat((x, torch.zeros_like(x)))
+    return x.contiguous().sum(dim=-1)[:m]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` for ``x [M, K]``, ``weight [N, K]``, in blocks of `ROW_BLOCK`
+    rows (one `bmm_nt` call), each row's result independent of the others."""
+    import torch
+
+    m, k = x.shape
+    pad = (-m) % ROW_BLOCK
+    if pad or m == 0:
+        pad = pad or ROW_BLOCK
+        x = torch.cat((x, x.new_zeros(pad, k)))
+    blocks = x.reshape(-1, ROW_BLOCK, k)
+    out = bmm_nt(blocks, weight.unsqueeze(0).expand(blocks.shape[0], *weight.shape), out_dtype)
+    out = out.reshape(-1, weight.shape[0])[:m]
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim (any leading shape), in float32, the result in x's dtype:
+    ``weight * (x / sqrt(mean(x^2) + eps))`` with the mean from `row_sum`."""
+    import torch
+
+    shape = x.shape
+    xf = x.reshape(-1, shape[-1]).float()
+    mean_sq = row_sum(xf * xf) / shape[-1]
+    normed = xf / torch.sqrt(mean_sq + eps)[:, None]
+    return (weight * normed.to(x.dtype)).reshape(shape)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` as ``gate / (1 + exp(-gate)) * up`` in float32 (torch's ``silu``
+    and ``sigmoid`` differ between their vector and scalar paths on CPU)."""
+    import torch
+
+    g = gate.float()
+    return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with the sign folded into ``sin_signed`` (two
+    separately rounded products and a sum; no fused multiply-add)."""
+    import torch
+
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + swapped * sin_signed
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """``log_softmax`` over the last dim of float32 ``logits [M, V]``: ``z - log(sum(exp(z)))``
+    with ``z = logits - max`` (the max is exact in any order, the sum is `row_sum`)."""
+    import torch
+
+    z = logits - logits.amax(dim=-1, keepdim=True)
+    return z - torch.log(row_sum(torch.exp(z)))[:, None]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+                   ) -> torch.Tensor:
+    """``log_softmax(logits / T)[token]`` per row (T <= 1e-6 means greedy and counts as 1),
+    the engines' logprob convention (`palaestra.engines.local.sampling`), batch-invariant."""
+    t = temperature if temperature > 1e-6 else 1.0
+    scaled = logits.float() / t if t != 1.0 else logits.float()
+    return log_softmax(scaled).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def _tiles(seq: torch.Tensor, num_heads: int, num_kv_heads: int
+           ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each (query, head) row goes: rows of one (sequence, key/value head) fill tiles of
+    `ROW_BLOCK` rows in query order, query heads of a group next to each other.
+
+    Returns (tiles, tile of each [N, H] row, row within its tile [N, H], the sequence of each
+    tile [T], the key/value head of each tile [T]).
+    """
+    import torch
+
+    dev = seq.device
+    n = seq.shape[0]
+    rep = num_heads // num_kv_heads
+    seqs, inverse, counts = torch.unique(seq, return_inverse=True, return_counts=True)
+    # rank of each query among its sequence's queries (stable: packed order)
+    order = torch.argsort(inverse, stable=True)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.empty(n, dtype=torch.long, device=dev)
+    rank[order] = torch.arange(n, device=dev) - starts[inverse[order]]
+    chunks = (counts * rep + ROW_BLOCK - 1) // ROW_BLOCK  # tiles per (sequence, kv head)
+    base = torch.cumsum(chunks * num_kv_heads, 0) - chunks * num_kv_heads
+    heads = torch.arange(num_heads, device=dev)
+    group, within = heads // rep, heads % rep
+    r = rank[:, None] * rep + within[None, :]  # [N, H] row inside its (sequence, kv head)
+    tile = base[inverse][:, None] + group[None, :] * chunks[inverse][:, None] + r // ROW_BLOCK
+    total = int((chunks * num_kv_heads).sum())
+    tile_seq = torch.repeat_interleave(seqs, chunks * num_kv_heads)
+    local = torch.arange(total, device=dev) - torch.repeat_interleave(base, chunks * num_kv_heads)
+    tile_group = local // torch.repeat_interleave(chunks, chunks * num_kv_heads)
+    return total, tile, r % ROW_BLOCK, tile_seq, tile_group
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq: torch.Tensor,
+              pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal grouped-query attention, batch-invariant: query ``i`` (``q [N, H, D]``) attends to
+    positions ``0..pos[i]`` of sequence ``seq[i]`` of ``keys``/``values [S, Hkv, L, D]`` (a
+    KV cache, or the packed sequences of a training batch). Positions a query does not see must
+    hold finite numbers. Returns ``[N, H * D]`` in q's dtype."""
+    import torch
+
+    n, heads, d = q.shape
+    hkv, length = keys.shape[1], keys.shape[2]
+    dev = q.device
+    total, tile, row, tile_seq, tile_group = _tiles(seq, heads, hkv)
+    blocks = int(pos.max()) // KEY_BLOCK + 1 if n else 1
+    # queries into tiles (padding rows: a zero query at position 0, finite and discarded)
+    q_tiles = q.new_zeros(total, ROW_BLOCK, d).index_put((tile, row), q)
+    row_pos = torch.zeros(total, ROW_BLOCK, dtype=torch.long, device=dev).index_put(
+        (tile, row), pos[:, None].expand(n, heads))
+    key_pos = torch.arange(blocks * KEY_BLOCK, device=dev).view(blocks, KEY_BLOCK)
+    index = key_pos.clamp(max=length - 1)
+    k_tiles = keys[tile_seq[:, None, None], tile_group[:, None, None], index[None]]
+    v_tiles = values[tile_seq[:, None, None], tile_group[:, None, None], index[None]]
+    # [T, J, R, BK] scores of every tile against every key block of its sequence
+    q_rep = q_tiles.unsqueeze(1).expand(total, blocks, ROW_BLOCK, d)
+    scores = bmm_nt(q_rep.reshape(-1, ROW_BLOCK, d), k_tiles.reshape(-1, KEY_BLOCK, d),
+                    torch.float32).view(total, blocks, ROW_BLOCK, KEY_BLOCK) * scale
+    visible = key_pos[None, :, None, :] <= row_pos[:, None, :, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    peak = scores.amax(dim=(1, 3), keepdim=True)
+    probs = torch.exp(scores - peak).to(v_tiles.dtype)
+    # values with a column of ones: one product gives the weighted sum and the normaliser
+    ones = v_tiles.new_ones(total, blocks, KEY_BLOCK, 1)
+    v_aug = torch.cat((v_tiles, ones), dim=-1).transpose(2, 3)  # [T, J, D + 1, BK]
+    parts = bmm_nt(probs.reshape(-1, ROW_BLOCK, KEY_BLOCK), v_aug.reshape(-1, d + 1, KEY_BLOCK),
+                   torch.float32).view(total, blocks, ROW_BLOCK, d + 1)
+    acc = parts[:, 0]
+    for j in range(1, blocks):  # block after block: the order a decode step uses too
+        acc = acc + parts[:, j]
+    out = (acc[..., :d] / acc[..., d:]).to(q.dtype)  # [T, R, D]
+    return out[tile, row].reshape(n, heads * d)
+
+
+__all__ = ["KEY_BLOCK", "ROW_BLOCK", "attention", "bmm_nt", "linear", "log_softmax",
+           "rms_norm", "rope", "row_sum", "silu_mul", "token_logprobs"]

@@ -1,0 +1,162 @@
+"""The torch backend's forward in bitwise on-policy mode (``trainer.on_policy = "bitwise"``).
+
+The policy's logprobs come from `palaestra.engines.local.bitwise_forward`, the forward the
+embedded engine runs in the same mode, over the Hugging Face model's own parameters fused into
+the engine's layout (q/k/v and gate/up concatenated, cast to the engine's dtype: the cast is the
+one a weight push applies) and the engine's rotary tables. Each sampled token's logprob then has
+the bits the engine reported when it sampled it, so ``rollout/logprob_max_abs_diff`` is 0.0 and
+the first update's importance ratios are exactly 1. Autograd runs through all of it (the
+concatenations, the casts and every batch-invariant operation), so training needs nothing else.
+
+Not covered (refused when the run is configured, `palaestra.run.config_checks`): MoE layers,
+LoRA adapters, Liger kernels, FSDP sharding.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from palaestra.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from palaestra.engines.local.bitwise_forward import BitwiseWeights
+    from palaestra.trainers.batching import MicroBatch
+
+#: sampled positions per chunk of the output layer + log-softmax; each chunk is recomputed in
+#: the backward instead of keeping its float32 ``[rows, vocab]`` logits
+HEAD_CHUNK = 1024
+
+
+def fused_weights(model: torch.nn.Module, dtype: torch.dtype,
+                  rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> BitwiseWeights:
+    """The policy's parameters in the engine's fused layout, in ``dtype`` (differentiable);
+    ``rope``: the (cos, signed sin) tables when the caller keeps them (else built here)."""
+    import torch
+
+    from palaestra.engines.local.bitwise_forward import BitwiseWeights, FusedLayer
+    from palaestra.engines.local.model import DecoderConfig, signed_rope_tables
+
+    hf_config: Any = model.config
+    config = DecoderConfig.from_hf(hf_config)
+    if config.moe is not None:
+        raise ConfigError("trainer.on_policy = 'bitwise' covers dense models, not MoE ones")
+    inner: Any = model.get_decoder()  # type: ignore[operator]
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(dtype)
+
+    layers = []
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_b = None
+        if attn.q_proj.bias is not None:
+            qkv_b = torch.cat((attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)).to(dtype)
+        q_norm = getattr(attn, "q_norm", None)
+        k_norm = getattr(attn, "k_norm", None)
+        layers.append(FusedLayer(
+            in_norm=layer.input_layernorm.weight.to(dtype),
+            qkv_w=torch.cat((attn.q_proj.weight, attn.k_proj.weight,
+                             attn.v_proj.weight)).to(dtype),
+            qkv_b=qkv_b,
+            q_norm=cast(q_norm.weight if q_norm is not None else None),
+            k_norm=cast(k_norm.weight if k_norm is not None else None),
+            o_w=attn.o_proj.weight.to(dtype),
+            post_norm=layer.post_attention_layernorm.weight.to(dtype),
+            gate_up_w=torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)).to(dtype),
+            down_w=mlp.down_proj.weight.to(dtype),
+        ))
+    embed = inner.embed_tokens.weight.to(dtype)
+    head: Any = model.get_output_embeddings()  # type: ignore[operator]
+    lm_head = embed if head.weight is inner.embed_tokens.weight else head.weight.to(dtype)
+    cos, sin = rope or signed_rope_tables(hf_config, config, embed.device, dtype)
+    return BitwiseWeights(config, embed, inner.norm.weight.to(dtype), lm_head, layers, cos, sin)
+
+
+def _head_logprobs(weights: BitwiseWeights, h: torch.Tensor, targets: torch.Tensor,
+                   temperature: float) -> torch.Tensor:
+    from palaestra.engines.local import bitwise_forward as bf
+    from palaestra.engines.local.invariant import token_logprobs
+
+    return token_logprobs(bf.logits(weights, h), targets, temperature)
+
+
+class BitwiseForward:
+    """The bitwise forward of one policy: its rotary tables, built once."""
+
+    def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
+        from palaestra.engines.local.model import DecoderConfig, signed_rope_tables
+
+        self.dtype = dtype
+        device = next(model.parameters()).device
+        self.rope = signed_rope_tables(model.config, DecoderConfig.from_hf(model.config),
+                                       device, dtype)
+
+    def logprobs(self, model: torch.nn.Module, mb: MicroBatch, *, temperature: float,
+                 with_entropy: bool, entropy_grad: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`policy_logprobs` of ``model`` with this forward's tables."""
+        return policy_logprobs(model, mb, dtype=self.dtype, temperature=temperature,
+                               with_entropy=with_entropy, entropy_grad=entropy_grad,
+                               rope=self.rope)
+
+
+def policy_logprobs(model: torch.nn.Module, mb: MicroBatch, *, dtype: torch.dtype,
+                    temperature: float, with_entropy: bool, entropy_grad: bool = False,
+                    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Token logprobs ``[R, L]`` of a micro-batch (0 at padding and at each sequence's first
+    token, like `palaestra.trainers.torch_backend.logprobs.shifted_token_logprobs`), with
+    autograd, bit-equal to the engine's in bitwise mode; the entropy when asked, from the same
+    float32 logits (differentiable only with ``entropy_grad``)."""
+    import contextlib
+
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    from palaestra.engines.local import bitwise_forward as bf
+    from palaestra.engines.local.invariant import log_softmax
+
+    weights = fused_weights(model, dtype, rope)
+    present = mb.seq_index >= 0
+    seq = mb.seq_index[present]
+    pos = mb.position_ids[present]
+    store = bf.PackedStore(mb.num_sequences, int(pos.max()) + 1 if pos.numel() else 1)
+    h = bf.hidden_states(weights, mb.input_ids[present], seq, pos, store)
+    rows, width = mb.input_ids.shape
+    flat = torch.nonzero(present.reshape(-1)).squeeze(1)  # where each computed token sits
+    slot = torch.full((rows * width,), -1, dtype=torch.long, device=h.device)
+    slot[flat] = torch.arange(flat.numel(), device=h.device)
+    valid = present & (mb.position_ids > 0)
+    targets_flat = torch.nonzero(valid.reshape(-1)).squeeze(1)
+    prev = slot[targets_flat - 1]  # the hidden state that predicted each target token
+    targets = mb.input_ids.reshape(-1)[targets_flat]
+    t = temperature if temperature > 1e-6 else 1.0
+    parts, ent_parts = [], []
+    for start in range(0, targets.numel(), HEAD_CHUNK):
+        hs = h[prev[start : start + HEAD_CHUNK]]
+        tg = targets[start : start + HEAD_CHUNK]
+        if torch.is_grad_enabled():
+            parts.append(checkpoint(_head_logprobs, weights, hs, tg, temperature,
+                                    use_reentrant=False))
+        else:
+            parts.append(_head_logprobs(weights, hs, tg, temperature))
+        if with_entropy:
+            with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+                logits = bf.logits(weights, hs)
+                logp_all = log_softmax(logits / t if t != 1.0 else logits)
+                ent_parts.append(-(logp_all.exp() * logp_all).sum(-1))
+    logp_flat = torch.zeros(rows * width, dtype=torch.float32, device=h.device)
+    if parts:
+        logp_flat = logp_flat.index_put((targets_flat,), torch.cat(parts))
+    entropy = None
+    if with_entropy:
+        entropy = torch.zeros(rows * width, dtype=torch.float32, device=h.device)
+        if ent_parts:
+            entropy = entropy.index_put((targets_flat,), torch.cat(ent_parts))
+        entropy = entropy.view(rows, width)
+    return logp_flat.view(rows, width), entropy
+
+
+__all__ = ["HEAD_CHUNK", "BitwiseForward", "fused_weights", "policy_logprobs"]
