@@ -42,9 +42,10 @@ def agent_spec(agent: AgentSection, tokenizer_path: Path) -> AgentSpec:
 
 
 def build_engine(engine: EngineSection, model_path: Path, *, max_model_len: int, seed: int,
-                 servers_dir: Path) -> LocalEngine | SGLangEngine:
-    """The embedded engine (``engine.kind = "local"``), or a client over SGLang servers
-    (``engine.urls`` and the ones ``engine.launch`` starts, logging to ``servers_dir``)."""
+                 servers_dir: Path, bitwise: bool = False) -> LocalEngine | SGLangEngine:
+    """The embedded engine (``engine.kind = "local"``; ``bitwise``: in bitwise on-policy mode),
+    or a client over SGLang servers (``engine.urls`` and the ones ``engine.launch`` starts,
+    logging to ``servers_dir``)."""
     if engine.kind == "sglang":
         from palaestra.run.server_launch import launched_engine
 
@@ -63,6 +64,7 @@ def build_engine(engine: EngineSection, model_path: Path, *, max_model_len: int,
         # async mode too: the engine captures its graphs thread-locally on its own stream, so
         # the training thread's kernels beside them neither fail nor serialise with decode
         cuda_graphs=True,
+        bitwise=bitwise,
     )
 
 

@@ -311,6 +311,13 @@ class TrainerSection(Section):
     """MoE policies: "rollout" replays the experts the rollout engine chose at each token in
     the training forward (R3; both backends: sets ``trainer.torch.routing_replay`` and
     ``trainer.megatron.routing_replay``)."""
+    on_policy: Literal["default", "bitwise"] = "default"
+    """"bitwise": the embedded engine and the torch backend run one batch-invariant forward,
+    so the trainer's logprob of every sampled token has the engine's bits
+    (``rollout/logprob_max_abs_diff`` = 0.0 each step, first-update importance ratios exactly
+    1); costs engine and train speed (docs/on_policy.md). "default": the fast kernels of each
+    side, their gap measured every step. Bitwise needs engine.kind = "local", the torch backend,
+    a dense model, full fine-tuning and top_p = 1 (refused otherwise)."""
 
     @model_validator(mode="after")
     def _replay_into_backend(self) -> TrainerSection:
@@ -318,6 +325,8 @@ class TrainerSection(Section):
             update = {"routing_replay": self.routing_replay}
             self.torch = self.torch.model_copy(update=update)
             self.megatron = self.megatron.model_copy(update=update)
+        if self.on_policy != "default":
+            self.torch = self.torch.model_copy(update={"on_policy": self.on_policy})
         return self
 
 

@@ -46,7 +46,9 @@ def config_problems(cfg: TrainConfig) -> list[Problem]:
     from palaestra.run.run_engines import engine_actor_problems
     from palaestra.run.services import services_problems
 
-    out += distill_problems(cfg)
+    from palaestra.run.on_policy import on_policy_problems
+
+    out += distill_problems(cfg) + on_policy_problems(cfg)
     return out + services_problems(cfg) + placement_problems(cfg) + engine_actor_problems(cfg)
 
 

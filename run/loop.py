@@ -736,7 +736,8 @@ async def _train(cfg: TrainConfig, run: RunDir) -> dict[str, Any]:
         # [placement] engines as Ray actors on their bundles, else the engines of [engine]
         engine_cfg, engine = await start_engine_actors(cfg, model_path) or (
             cfg.engine, build_engine(cfg.engine, model_path, max_model_len=cfg.agent.max_context,
-                                     seed=cfg.seed, servers_dir=Path(cfg.out) / "servers"))
+                                     seed=cfg.seed, servers_dir=Path(cfg.out) / "servers",
+                                     bitwise=cfg.trainer.on_policy == "bitwise"))
         sync: EngineSync | None = None
         try:
             from palaestra.engines.clients.sglang import SGLangEngine

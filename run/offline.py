@@ -130,7 +130,8 @@ def sft_steps(
     if not samples:
         raise ConfigError("no SFT examples: the demonstrations/dataset are empty")
     schedule = cfg.warmup.lr_schedule if phase == "sft" and cfg.algorithm == "rl" else None
-    update: dict[str, Any] = {"logits_temperature": 1.0}
+    # bitwise on-policy mode matters where an engine sampled what is trained, not here
+    update: dict[str, Any] = {"logits_temperature": 1.0, "on_policy": "default"}
     if phase == "sft" and cfg.algorithm == "rl" and not cfg.warmup.lora:
         update["lora"] = None  # the warm start trains the full model; RL trains the adapter
     if schedule is not None:
@@ -197,7 +198,7 @@ def dpo_steps(cfg: TrainConfig, run: RunDir, model_path: Path, spec: AgentSpec) 
     steps = cfg.trainer.steps
     torch_cfg = backend_config(cfg.trainer.torch, temperature=cfg.rollout.temperature,
                                seed=cfg.seed, steps=steps).model_copy(
-        update={"logits_temperature": 1.0, "ref_model": True})
+        update={"logits_temperature": 1.0, "ref_model": True, "on_policy": "default"})
     backend = offline_backend(cfg, model_path, torch_cfg)
     loss_cfg = cfg.trainer.loss if cfg.trainer.loss.objective == "dpo" else LossConfig(preset="dpo")
     start = 0

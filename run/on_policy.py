@@ -1,0 +1,76 @@
+"""``trainer.on_policy``: what bitwise on-policy mode needs of the rest of a run.
+
+In bitwise mode the embedded engine and the torch backend run the same batch-invariant forward
+(`palaestra.engines.local.bitwise_forward`), so each sampled token's trainer logprob has the bits
+the engine reported (``rollout/logprob_max_abs_diff == 0.0`` every step). That holds only where
+both forwards are ours and read the same numbers: `on_policy_problems` refuses, before any work,
+the settings where they would not be (SGLang or launched servers, Ray engine actors, Megatron,
+LoRA, MoE, a trainer dtype other than the engine's, top-p filtering, different devices).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+from palaestra.config import Problem
+
+if TYPE_CHECKING:
+    from palaestra.run.config import TrainConfig
+
+#: model types the bitwise forward covers (dense Llama-family layers)
+BITWISE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def bitwise(cfg: TrainConfig) -> bool:
+    """Whether the run trains in bitwise on-policy mode."""
+    return cfg.trainer.on_policy == "bitwise"
+
+
+def on_policy_problems(cfg: TrainConfig) -> list[Problem]:
+    """Why ``trainer.on_policy = "bitwise"`` cannot hold in this run (empty otherwise)."""
+    if not bitwise(cfg):
+        return []
+    key = "trainer.on_policy"
+    out: list[Problem] = []
+
+    def refuse(field: str, why: str) -> None:
+        out.append(Problem((field, key), f"trainer.on_policy = 'bitwise': {why}"))
+
+    if cfg.engine.kind != "local" or cfg.placement is not None:
+        refuse("engine.kind", "needs the embedded engine in the trainer's process (its forward "
+               "is the trainer's): set engine.kind = 'local' and drop [placement], or use "
+               "trainer.on_policy = 'default' with servers (the logprob gap is then measured)")
+    if cfg.trainer.backend != "torch":
+        refuse("trainer.backend", "runs on the torch backend (Megatron's kernels are not the "
+               "engine's): set --trainer.backend torch")
+    torch_cfg = cfg.trainer.torch
+    if torch_cfg.lora is not None:
+        refuse("trainer.torch.lora", "LoRA adapters are not covered; train the full weights")
+    if torch_cfg.dtype != "auto":
+        refuse("trainer.torch.dtype", "the trainer computes in the engine's dtype (float32 on "
+               "CPU, bfloat16 on CUDA): leave trainer.torch.dtype = 'auto'")
+    engine_device, trainer_device = cfg.engine.device, torch_cfg.device
+    if engine_device is not None and trainer_device != "auto" and (
+            engine_device.split(":")[0] != trainer_device.split(":")[0]):
+        refuse("engine.device", f"the engine ({engine_device}) and the trainer "
+               f"({trainer_device}) must run on the same kind of device")
+    if cfg.rollout.top_p < 1.0:
+        refuse("rollout.top_p", "top-p sampling draws from a truncated distribution whose "
+               "logprobs are not the trained ones: set rollout.top_p = 1.0")
+    if cfg.trainer.routing_replay != "off":
+        refuse("trainer.routing_replay", "MoE models are not covered")
+    size = cfg.model.init_size
+    if size is not None and size.startswith("moe"):
+        refuse("model.init_size", f"{size!r} is a MoE model; bitwise mode covers dense "
+               f"{', '.join(BITWISE_MODEL_TYPES)} models")
+    config_json = cfg.in_run(cfg.model.path) / "config.json"
+    if size is None and config_json.is_file():
+        model_type = json.loads(config_json.read_text()).get("model_type")
+        if model_type not in BITWISE_MODEL_TYPES:
+            refuse("model.path", f"the model is a {model_type!r}; bitwise mode covers "
+                   f"{', '.join(BITWISE_MODEL_TYPES)} models")
+    return out
+
+
+__all__ = ["BITWISE_MODEL_TYPES", "bitwise", "on_policy_problems"]
