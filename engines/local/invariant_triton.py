@@ -52,6 +52,8 @@ BLOCK_N = 64
 BLOCK_K = 32
 NUM_WARPS = 4
 NUM_STAGES = 2
+#: (BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES): the configuration every call runs
+TILES = (BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES)
 #: columns per step of `row_sum`, and its warps
 ROW_SUM_BLOCK = 1024
 ROW_SUM_WARPS = 4
@@ -177,32 +179,38 @@ def _check_bmm_args(a: torch.Tensor, b: torch.Tensor) -> None:
         raise ValueError(f"bmm_nt: a on {a.device}, b on {b.device}")
 
 
-def _bmm_nt_forward(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """Launch the matmul kernel: ``c[g] = a[g] @ b[g].T`` into a new contiguous tensor."""
+def _bmm_nt_forward(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype,
+                    tiles: tuple[int, int, int, int, int] = TILES) -> torch.Tensor:
+    """Launch the matmul kernel: ``c[g] = a[g] @ b[g].T`` into a new contiguous tensor.
+
+    ``tiles`` is for the benchmark's sweep only (`benchmarks/perf/invariant_matmul.py`): each
+    configuration is batch invariant on its own, but two of them need not give the same bits,
+    so the engine and the trainer must both run `TILES`."""
     import torch
 
+    block_m, block_n, block_k, num_warps, num_stages = tiles
     g, m, k = a.shape
     n = b.shape[1]
     c = torch.empty(g, m, n, device=a.device, dtype=out_dtype)
     if c.numel() == 0:
         return c
-    n_tiles = -(-n // BLOCK_N)
+    n_tiles = -(-n // block_n)
     if n_tiles > _GRID_YZ_MAX:
-        raise ValueError(f"bmm_nt: N={n} is more than {_GRID_YZ_MAX} tiles of {BLOCK_N}")
+        raise ValueError(f"bmm_nt: N={n} is more than {_GRID_YZ_MAX} tiles of {block_n}")
     kernel, _, interpreted = _kernels()
     precision = "ieee" if a.dtype == torch.float32 else "tf32"  # (ignored for 16-bit inputs)
     # G past the grid's limit goes in chunks: the chunk an element is in changes nothing of it
     for g0 in range(0, g, _GRID_YZ_MAX):
         g1 = min(g, g0 + _GRID_YZ_MAX)
         ac, bc, cc = a[g0:g1], b[g0:g1], c[g0:g1]
-        kernel[(-(-m // BLOCK_M), n_tiles, g1 - g0)](
+        kernel[(-(-m // block_m), n_tiles, g1 - g0)](
             ac, bc, cc, m, n, k,
             ac.stride(0), ac.stride(1), ac.stride(2),
             bc.stride(0), bc.stride(1), bc.stride(2),
             cc.stride(0), cc.stride(1), cc.stride(2),
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, PRECISION=precision,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision,
             UPCAST=interpreted and a.dtype != torch.float32,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            num_warps=num_warps, num_stages=num_stages,
         )
     return c
 
@@ -229,9 +237,32 @@ def _float32(t: torch.Tensor) -> torch.Tensor:
     return t.float()
 
 
+def _shared_weight(b: torch.Tensor) -> torch.Tensor | None:
+    """The 2-D ``w`` that ``b`` repeats over G (``b`` is a stride-0 view such as
+    ``w[None].expand(G, N, K)``), as a differentiable tensor of ``b``'s base, or None.
+
+    The gradient of such a ``w`` is the sum over G of the per-matrix gradients. Returned by the
+    Function for ``b`` itself, that sum would be formed by the expand's own backward from a
+    ``[G, N, K]`` gradient: G copies of the weight (128 x 0.6 GB in float32 for a 4,096-row
+    lm_head in blocks of 32 rows). Differentiating with respect to ``w`` instead sums in one
+    GEMM over all G * M rows, in float32, rounded once. ``w`` is found from ``b._base`` (the
+    root of its views): a ``b`` whose root needs no gradient (a view of a plain tensor made to
+    require one) keeps the per-matrix path, which is correct, only heavier."""
+    base = b._base
+    if (b.dim() != 3 or b.shape[0] < 2 or b.stride(0) != 0 or base is None
+            or not base.requires_grad or base.dtype != b.dtype):
+        return None
+    shape, stride, offset = tuple(b.shape[1:]), tuple(b.stride()[1:]), b.storage_offset()
+    if tuple(base.shape) == shape and base.stride() == stride \
+            and base.storage_offset() == offset:
+        return base  # the usual case: a weight (a parameter) unsqueezed and expanded
+    return base.as_strided(shape, stride, offset)  # a slice of a fused parameter, etc.
+
+
 @functools.cache
-def _functions() -> tuple[Any, Any]:
-    """(BmmNT, RowSum): the autograd Functions, defined on first use (torch imported lazily)."""
+def _functions() -> tuple[Any, Any, Any]:
+    """(BmmNT, BmmNTShared, RowSum): the autograd Functions, defined on first use (torch
+    imported lazily)."""
     import torch
 
     class BmmNT(torch.autograd.Function):
@@ -251,10 +282,33 @@ def _functions() -> tuple[Any, Any]:
             if ctx.needs_input_grad[0]:
                 da = torch.bmm(grad32, _float32(b)).to(a.dtype)
             if ctx.needs_input_grad[1]:
-                # per-g gradients of b's (possibly expanded) shape: an expand's own backward
-                # then sums them over G into the shared weight
+                # per-g gradients of b's shape (a stride-0 b that is no view of a weight, see
+                # `_shared_weight`, gets them too: its expand's backward sums them over G)
                 db = torch.bmm(grad32.transpose(1, 2), _float32(a)).to(b.dtype)
             return da, db, None
+
+    class BmmNTShared(torch.autograd.Function):
+        """``c[g] = a[g] @ w.T`` for one weight ``w [N, K]`` shared by every g: the forward is
+        the kernel on ``w`` expanded over G (the bits of `BmmNT` on that view); the backward
+        sums the weight's gradient over all G * M rows in one float32 GEMM."""
+
+        @staticmethod
+        def forward(ctx: Any, a: torch.Tensor, w: torch.Tensor,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+            ctx.save_for_backward(a, w)
+            return _bmm_nt_forward(a, w.expand(a.shape[0], *w.shape), out_dtype)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, Any, None]:
+            a, w = ctx.saved_tensors
+            grad32 = grad.float()
+            da = dw = None
+            if ctx.needs_input_grad[0]:
+                da = torch.matmul(grad32, w.float()).to(a.dtype)
+            if ctx.needs_input_grad[1]:
+                n, k = w.shape
+                dw = (grad32.reshape(-1, n).t() @ a.float().reshape(-1, k)).to(w.dtype)
+            return da, dw, None
 
     class RowSum(torch.autograd.Function):
         """``x.sum(1)`` by the kernel (float32); the backward broadcasts the gradient."""
@@ -269,7 +323,7 @@ def _functions() -> tuple[Any, Any]:
         def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
             return grad[:, None].expand(ctx.x_shape).to(ctx.x_dtype)
 
-    return BmmNT, RowSum
+    return BmmNT, BmmNTShared, RowSum
 
 
 def _needs_grad(*tensors: torch.Tensor) -> bool:
@@ -287,12 +341,18 @@ def bmm_nt(a: torch.Tensor, b: torch.Tensor,
     inputs, never TF32), rounded once to ``out_dtype`` (default ``a.dtype``); returns a new
     contiguous ``[G, M, N]``. Differentiable. Each ``c[g, i, j]`` depends only on ``a[g, i]``,
     ``b[g, j]`` and ``K``: slicing rows off ``a`` or matrices off the batch leaves the others'
-    bits unchanged."""
+    bits unchanged. With a weight expanded over G (``w[None].expand(G, N, K)``), the gradient
+    goes to ``w`` summed over every row in one float32 GEMM (see `_shared_weight`); for a
+    shared weight a single matrix (``bmm_nt(x[None], w[None])``, any number of rows) is as
+    invariant as blocks of rows and reads the weight once per row tile, not once per block."""
     _check_bmm_args(a, b)
     out_dtype = a.dtype if out_dtype is None else out_dtype
     if not _needs_grad(a, b):  # inference: no autograd node, nothing saved
         return _bmm_nt_forward(a, b, out_dtype)
-    bmm_fn, _ = _functions()
+    bmm_fn, shared_fn, _ = _functions()
+    shared = _shared_weight(b) if b.requires_grad else None
+    if shared is not None:  # a weight expanded over G: its gradient summed in one GEMM
+        return shared_fn.apply(a, shared, out_dtype)
     return bmm_fn.apply(a, b, out_dtype)
 
 
@@ -304,9 +364,9 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"row_sum: a floating [M, N] tensor, got {x.dtype} {tuple(x.shape)}")
     if not _needs_grad(x):
         return _row_sum_forward(x)
-    _, sum_fn = _functions()
+    _, _, sum_fn = _functions()
     return sum_fn.apply(x)
 
 
 __all__ = ["BLOCK_K", "BLOCK_M", "BLOCK_N", "NUM_STAGES", "NUM_WARPS", "ROW_SUM_BLOCK",
-           "ROW_SUM_WARPS", "available", "bmm_nt", "row_sum"]
+           "ROW_SUM_WARPS", "TILES", "available", "bmm_nt", "row_sum"]

@@ -106,24 +106,39 @@ SCRIPT = textwrap.dedent(
             "invariant": all(torch.equal(row_sum(t[:m]), s[:m]) for m in (1, 4, 8)),
             "row_alone": all(torch.equal(row_sum(t[i:i + 1]), s[i:i + 1]) for i in range(9))})
 
-    # gradients against torch autograd of the plain formula in float64
+    # gradients against torch autograd of the plain formula in float64; b as its own tensor,
+    # as a weight expanded over G (the weight's gradient summed in one GEMM), as a slice of a
+    # fused weight expanded over G, and as a stride-0 leaf (per-matrix gradients)
     for dname, dtype in DTYPES.items():
-        for layout in ("contiguous", "expanded"):
+        for layout in ("contiguous", "expanded", "fused_slice", "stride0_leaf"):
             a = torch.randn(3, 6, 20, generator=gen).to(dtype).requires_grad_()
-            if layout == "expanded":
-                w = torch.randn(10, 20, generator=gen).to(dtype).requires_grad_()
-                b = w[None].expand(3, 10, 20)
-            else:
+            if layout == "contiguous":
                 w = torch.randn(3, 10, 20, generator=gen).to(dtype).requires_grad_()
                 b = w
+            elif layout == "expanded":
+                w = torch.randn(10, 20, generator=gen).to(dtype).requires_grad_()
+                b = w[None].expand(3, 10, 20)
+            elif layout == "fused_slice":
+                w = torch.randn(16, 20, generator=gen).to(dtype).requires_grad_()
+                b = w[4:14][None].expand(3, 10, 20)
+            else:
+                base = torch.randn(10, 20, generator=gen).to(dtype)
+                w = base[None].expand(3, 10, 20).detach().requires_grad_()
+                b = w
             up = torch.randn(3, 6, 10, generator=gen)
-            (bmm_nt(a, b, out_dtype=torch.float32) * up).sum().backward()
+            c = bmm_nt(a, b, out_dtype=torch.float32)
+            with torch.no_grad():
+                same_bits = torch.equal(c, bmm_nt(a, b, out_dtype=torch.float32))
+            (c * up).sum().backward()
             a64 = a.detach().double().requires_grad_()
             w64 = w.detach().double().requires_grad_()
-            b64 = w64[None].expand(3, 10, 20) if layout == "expanded" else w64
+            b64 = {"expanded": lambda: w64[None].expand(3, 10, 20),
+                   "fused_slice": lambda: w64[4:14][None].expand(3, 10, 20)}.get(
+                       layout, lambda: w64)()
             (ref(a64, b64) * up.double()).sum().backward()
             out["grads"].append({
-                "fn": "bmm_nt", "dtype": dname, "b": layout,
+                "fn": "bmm_nt", "dtype": dname, "b": layout, "node": type(c.grad_fn).__name__,
+                "same_bits_as_no_grad": same_bits,
                 "grad_dtypes": [str(a.grad.dtype), str(w.grad.dtype)],
                 "grad_shapes": [list(a.grad.shape), list(w.grad.shape)],
                 "a_err": rel_err(a.grad, a64.grad), "b_err": rel_err(w.grad, w64.grad)})
@@ -131,6 +146,7 @@ SCRIPT = textwrap.dedent(
     up = torch.randn(5, generator=gen)
     (row_sum(x) * up).sum().backward()
     out["grads"].append({"fn": "row_sum", "dtype": "float32", "b": "-",
+                         "node": type(row_sum(x).grad_fn).__name__,
                          "grad_dtypes": [str(x.grad.dtype)], "grad_shapes": [list(x.grad.shape)],
                          "a_err": float((x.grad - up[:, None]).abs().max()), "b_err": 0.0})
     print(json.dumps(out))
@@ -179,16 +195,22 @@ def test_row_sum_matches_and_is_invariant(interpreted: dict) -> None:
 
 def test_gradients_match_autograd_of_the_plain_formula(interpreted: dict) -> None:
     grads = interpreted["grads"]
-    assert len(grads) == 5
+    assert len(grads) == 9
+    # the shapes of the weights (w) whose gradients are checked
+    want_w = {"contiguous": [3, 10, 20], "expanded": [10, 20], "fused_slice": [16, 20],
+              "stride0_leaf": [3, 10, 20]}
     for r in grads:
         if r["fn"] == "row_sum":
+            assert r["node"] == "RowSumBackward", r
             assert r["grad_shapes"] == [[5, 1500]] and r["a_err"] == 0.0, r
             continue
+        # a weight expanded over G goes to the Function that sums its gradient in one GEMM
+        shared = r["b"] in ("expanded", "fused_slice")
+        assert r["node"] == ("BmmNTSharedBackward" if shared else "BmmNTBackward"), r
+        assert r["same_bits_as_no_grad"], r
         dtype = f"torch.{r['dtype']}"
         assert r["grad_dtypes"] == [dtype, dtype], r
-        # an expanded weight's gradient is summed over G by the expand's own backward
-        want_b = [10, 20] if r["b"] == "expanded" else [3, 10, 20]
-        assert r["grad_shapes"] == [[3, 6, 20], want_b], r
+        assert r["grad_shapes"] == [[3, 6, 20], want_w[r["b"]]], r
         assert r["a_err"] < TOL[r["dtype"]] and r["b_err"] < TOL[r["dtype"]], r
 
 
