@@ -19,8 +19,9 @@ written with operations that are the same on both paths:
   GEMM with fixed tiles (`palaestra.engines.local.invariant_triton`).
 - `row_sum`: a float32 sum over the last dim; on CPU torch's inner reduction with at least two
   rows (one row alone is split across threads), on CUDA one Triton program per row.
-- `linear` cuts the rows into blocks of `ROW_BLOCK` (the last padded with zeros) and runs them as
-  one `bmm_nt` against the shared weight, so a row meets the same GEMM whatever came with it;
+- `linear` on CPU cuts the rows into blocks of `ROW_BLOCK` (the last padded with zeros) and runs
+  them as one `bmm_nt` against the shared weight, so a row meets the same GEMM whatever came
+  with it (on CUDA the Triton GEMM needs no blocks: its tiles never depend on the row count);
   RMSNorm, the log-softmax and attention take their sums from `row_sum` and `bmm_nt`; the
   elementwise parts use ``+ - * /``, ``sqrt``, ``exp`` and ``log`` only (correctly rounded, or
   equal on the vector and scalar paths: 0 differences in 10^8 random ``exp`` inputs), never
@@ -94,6 +95,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     import torch
 
     m, k = x.shape
+    if _on_cuda(x):  # the Triton GEMM is invariant to its row count: no blocks needed
+        out = bmm_nt(x.unsqueeze(0), weight.unsqueeze(0), out_dtype)[0]
+        return out if bias is None else out + bias.to(out.dtype)
     pad = (-m) % ROW_BLOCK
     if pad or m == 0:
         pad = pad or ROW_BLOCK
