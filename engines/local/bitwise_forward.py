@@ -126,6 +126,7 @@ def hidden_states(w: BitwiseWeights, tokens: torch.Tensor, seq: torch.Tensor,
     cos = w.cos[pos].unsqueeze(1)
     sin = w.sin_signed[pos].unsqueeze(1)
     h = w.embed[tokens]
+    plan = inv.attention_plan(seq, pos, heads, hkv)  # the same for every layer
     for i, layer in enumerate(w.layers):
         x = inv.rms_norm(h, layer.in_norm, c.rms_norm_eps)
         qkv = inv.linear(x, layer.qkv_w, layer.qkv_b)
@@ -137,7 +138,7 @@ def hidden_states(w: BitwiseWeights, tokens: torch.Tensor, seq: torch.Tensor,
             k = inv.rms_norm(k, layer.k_norm, c.rms_norm_eps)
         q, k = inv.rope(q, cos, sin), inv.rope(k, cos, sin)
         keys, values = store.write(i, seq, pos, k, v)
-        attn = inv.attention(q, keys, values, seq, pos, scale)
+        attn = inv.attention(q, keys, values, plan, scale)
         h = h + inv.linear(attn, layer.o_w)
         x = inv.rms_norm(h, layer.post_norm, c.rms_norm_eps)
         gate_up_w, down_w = layer.dense()

@@ -39,6 +39,7 @@ the Triton forward): the backward need not be invariant, only the forward that s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -148,12 +149,24 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
     return z - torch.log(row_sum(torch.exp(z)))[:, None]
 
 
+def divide_by_temperature(logits: torch.Tensor, temperatures: torch.Tensor | float
+                          ) -> torch.Tensor:
+    """Float32 ``logits [M, V] / T`` (T a float, or a tensor of one per row): always a true
+    division by a float32 tensor on the logits' device. Both sides must divide the same way:
+    CUDA divides by a Python number as a multiplication by its reciprocal, which rounds
+    differently from dividing by the same value in a tensor (the engine's per-row ones)."""
+    import torch
+
+    t = torch.as_tensor(temperatures, dtype=torch.float32, device=logits.device)
+    return logits.float() / (t[:, None] if t.dim() == 1 else t)
+
+
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
                    ) -> torch.Tensor:
     """``log_softmax(logits / T)[token]`` per row (T <= 1e-6 means greedy and counts as 1),
     the engines' logprob convention (`palaestra.engines.local.sampling`), batch-invariant."""
     t = temperature if temperature > 1e-6 else 1.0
-    scaled = logits.float() / t if t != 1.0 else logits.float()
+    scaled = divide_by_temperature(logits, t)
     return log_softmax(scaled).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
@@ -189,33 +202,57 @@ def _tiles(seq: torch.Tensor, num_heads: int, num_kv_heads: int
     return total, tile, r % ROW_BLOCK, tile_seq, tile_group
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq: torch.Tensor,
-              pos: torch.Tensor, scale: float) -> torch.Tensor:
+@dataclass
+class AttentionPlan:
+    """Where every (query, head) row of one forward goes in the attention tiles, and what each
+    tile row sees: computed once per forward (`attention_plan`), used by every layer."""
+
+    tiles: int
+    tile: torch.Tensor  # [N, H] tile of each (query, head) row
+    row: torch.Tensor  # [N, H] its row within the tile
+    tile_seq: torch.Tensor  # [T] the sequence of each tile
+    tile_group: torch.Tensor  # [T] its key/value head
+    blocks: int  # key blocks of KEY_BLOCK positions (the longest query's)
+    key_pos: torch.Tensor  # [J, BK] the position of each key slot
+    visible: torch.Tensor  # [T, J, R, BK] whether a tile row sees a key slot
+
+
+def attention_plan(seq: torch.Tensor, pos: torch.Tensor, num_heads: int, num_kv_heads: int
+                   ) -> AttentionPlan:
+    """The `AttentionPlan` of queries at ``pos [N]`` of sequences ``seq [N]``."""
+    import torch
+
+    n = seq.shape[0]
+    total, tile, row, tile_seq, tile_group = _tiles(seq, num_heads, num_kv_heads)
+    blocks = int(pos.max()) // KEY_BLOCK + 1 if n else 1
+    # padding rows see position 0 only (finite, discarded)
+    row_pos = torch.zeros(total, ROW_BLOCK, dtype=torch.long, device=seq.device).index_put(
+        (tile, row), pos[:, None].expand(n, num_heads))
+    key_pos = torch.arange(blocks * KEY_BLOCK, device=seq.device).view(blocks, KEY_BLOCK)
+    visible = key_pos[None, :, None, :] <= row_pos[:, None, :, None]
+    return AttentionPlan(total, tile, row, tile_seq, tile_group, blocks, key_pos, visible)
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
+              scale: float) -> torch.Tensor:
     """Causal grouped-query attention, batch-invariant: query ``i`` (``q [N, H, D]``) attends to
     positions ``0..pos[i]`` of sequence ``seq[i]`` of ``keys``/``values [S, Hkv, L, D]`` (a
-    KV cache, or the packed sequences of a training batch). Positions a query does not see must
-    hold finite numbers. Returns ``[N, H * D]`` in q's dtype."""
+    KV cache, or the packed sequences of a training batch), ``plan`` being
+    ``attention_plan(seq, pos, ...)``. Positions a query does not see must hold finite numbers.
+    Returns ``[N, H * D]`` in q's dtype."""
     import torch
 
     n, heads, d = q.shape
-    hkv, length = keys.shape[1], keys.shape[2]
-    dev = q.device
-    total, tile, row, tile_seq, tile_group = _tiles(seq, heads, hkv)
-    blocks = int(pos.max()) // KEY_BLOCK + 1 if n else 1
-    # queries into tiles (padding rows: a zero query at position 0, finite and discarded)
-    q_tiles = q.new_zeros(total, ROW_BLOCK, d).index_put((tile, row), q)
-    row_pos = torch.zeros(total, ROW_BLOCK, dtype=torch.long, device=dev).index_put(
-        (tile, row), pos[:, None].expand(n, heads))
-    key_pos = torch.arange(blocks * KEY_BLOCK, device=dev).view(blocks, KEY_BLOCK)
-    index = key_pos.clamp(max=length - 1)
-    k_tiles = keys[tile_seq[:, None, None], tile_group[:, None, None], index[None]]
-    v_tiles = values[tile_seq[:, None, None], tile_group[:, None, None], index[None]]
+    p, total, blocks = plan, plan.tiles, plan.blocks
+    q_tiles = q.new_zeros(total, ROW_BLOCK, d).index_put((p.tile, p.row), q)
+    index = p.key_pos.clamp(max=keys.shape[2] - 1)
+    k_tiles = keys[p.tile_seq[:, None, None], p.tile_group[:, None, None], index[None]]
+    v_tiles = values[p.tile_seq[:, None, None], p.tile_group[:, None, None], index[None]]
     # [T, J, R, BK] scores of every tile against every key block of its sequence
     q_rep = q_tiles.unsqueeze(1).expand(total, blocks, ROW_BLOCK, d)
     scores = bmm_nt(q_rep.reshape(-1, ROW_BLOCK, d), k_tiles.reshape(-1, KEY_BLOCK, d),
                     torch.float32).view(total, blocks, ROW_BLOCK, KEY_BLOCK) * scale
-    visible = key_pos[None, :, None, :] <= row_pos[:, None, :, None]
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = scores.masked_fill(~p.visible, float("-inf"))
     peak = scores.amax(dim=(1, 3), keepdim=True)
     probs = torch.exp(scores - peak).to(v_tiles.dtype)
     # values with a column of ones: one product gives the weighted sum and the normaliser
@@ -227,8 +264,9 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq: to
     for j in range(1, blocks):  # block after block: the order a decode step uses too
         acc = acc + parts[:, j]
     out = (acc[..., :d] / acc[..., d:]).to(q.dtype)  # [T, R, D]
-    return out[tile, row].reshape(n, heads * d)
+    return out[p.tile, p.row].reshape(n, heads * d)
 
 
-__all__ = ["KEY_BLOCK", "ROW_BLOCK", "attention", "bmm_nt", "linear", "log_softmax",
+__all__ = ["KEY_BLOCK", "ROW_BLOCK", "AttentionPlan", "attention", "attention_plan", "bmm_nt", "divide_by_temperature", "linear",
+           "log_softmax",
            "rms_norm", "rope", "row_sum", "silu_mul", "token_logprobs"]

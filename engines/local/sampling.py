@@ -126,9 +126,12 @@ class RowSampler:
             # logit - logsumexp: one read of the logits, no [B, V] log_softmax written
             logp = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
             return tokens, logp
-        scaled = logits / self.temps[:, None].to(logits.dtype)
-        logp_all = (invariant_log_softmax(scaled) if self.invariant
-                    else torch.log_softmax(scaled, dim=-1))
+        if self.invariant:
+            from palaestra.engines.local.invariant import divide_by_temperature
+
+            logp_all = invariant_log_softmax(divide_by_temperature(logits, self.temps))
+        else:
+            logp_all = torch.log_softmax(logits / self.temps[:, None].to(logits.dtype), dim=-1)
         probs = logp_all.exp()
         assert uniforms is not None, "uniforms are required when a row samples"
         u = uniforms.to(device=logits.device, dtype=logits.dtype)

@@ -84,13 +84,16 @@ def test_attention_of_a_query_alone_equals_it_in_a_causal_pass():
     q = torch.randn(length, heads, d, generator=gen)
     seq = torch.full((length,), 1)
     pos = torch.arange(length)
-    whole = inv.attention(q, keys, values, seq, pos, 0.25)
+    def attend(q, seq, pos):
+        return inv.attention(q, keys, values, inv.attention_plan(seq, pos, heads, kv_heads), 0.25)
+
+    whole = attend(q, seq, pos)
     for t in (0, 1, 63, 64, 65, 149):  # block edges of KEY_BLOCK = 64
-        alone = inv.attention(q[t : t + 1], keys, values, seq[t : t + 1], pos[t : t + 1], 0.25)
+        alone = attend(q[t : t + 1], seq[t : t + 1], pos[t : t + 1])
         assert torch.equal(alone, whole[t : t + 1]), t
     # a decode-like batch: one query per sequence, other rows much longer
-    mixed = inv.attention(torch.stack([q[5], q[100], q[20]]), keys, values,
-                          torch.tensor([0, 1, 2]), torch.tensor([140, 100, 3]), 0.25)
+    mixed = attend(torch.stack([q[5], q[100], q[20]]), torch.tensor([0, 1, 2]),
+                   torch.tensor([140, 100, 3]))
     assert torch.equal(mixed[1], whole[100])
     # and it is attention: the plain formula agrees to float rounding
     rep = heads // kv_heads

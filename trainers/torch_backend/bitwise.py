@@ -116,7 +116,7 @@ def policy_logprobs(model: torch.nn.Module, mb: MicroBatch, *, dtype: torch.dtyp
     from torch.utils.checkpoint import checkpoint
 
     from palaestra.engines.local import bitwise_forward as bf
-    from palaestra.engines.local.invariant import log_softmax
+    from palaestra.engines.local.invariant import divide_by_temperature, log_softmax
 
     weights = fused_weights(model, dtype, rope)
     present = mb.seq_index >= 0
@@ -145,7 +145,7 @@ def policy_logprobs(model: torch.nn.Module, mb: MicroBatch, *, dtype: torch.dtyp
         if with_entropy:
             with contextlib.nullcontext() if entropy_grad else torch.no_grad():
                 logits = bf.logits(weights, hs)
-                logp_all = log_softmax(logits / t if t != 1.0 else logits)
+                logp_all = log_softmax(divide_by_temperature(logits, t))
                 ent_parts.append(-(logp_all.exp() * logp_all).sum(-1))
     logp_flat = torch.zeros(rows * width, dtype=torch.float32, device=h.device)
     if parts:
