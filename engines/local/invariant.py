@@ -40,7 +40,7 @@ the Triton forward): the backward need not be invariant, only the forward that s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -99,14 +99,62 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _on_cuda(x):  # the Triton GEMM is invariant to its row count: no blocks needed
         out = bmm_nt(x.unsqueeze(0), weight.unsqueeze(0), out_dtype)[0]
         return out if bias is None else out + bias.to(out.dtype)
+    out = _BlockedLinear.apply(x, weight, out_dtype)
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+def _blocked_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None
+                    ) -> torch.Tensor:
+    import torch
+
+    m, k = x.shape
     pad = (-m) % ROW_BLOCK
     if pad or m == 0:
         pad = pad or ROW_BLOCK
         x = torch.cat((x, x.new_zeros(pad, k)))
     blocks = x.reshape(-1, ROW_BLOCK, k)
     out = bmm_nt(blocks, weight.unsqueeze(0).expand(blocks.shape[0], *weight.shape), out_dtype)
-    out = out.reshape(-1, weight.shape[0])[:m]
-    return out if bias is None else out + bias.to(out.dtype)
+    return out.reshape(-1, weight.shape[0])[:m]
+
+
+def _blocked_linear_function() -> type:
+    """The CPU `linear` as an autograd function: the forward in invariant blocks, the backward
+    as two plain GEMMs (autograd through the blocked forward would build a ``[blocks, N, K]``
+    gradient of the expanded weight and sum it)."""
+    import torch
+
+    class BlockedLinear(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
+                    out_dtype: torch.dtype | None) -> torch.Tensor:
+            ctx.save_for_backward(x, weight)
+            return _blocked_linear(x, weight, out_dtype)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+            x, weight = ctx.saved_tensors
+            grad = grad.to(x.dtype)
+            grad_x = grad @ weight if ctx.needs_input_grad[0] else None
+            grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None
+            return grad_x, grad_w, None
+
+    return BlockedLinear
+
+
+class _LazyFunction:
+    """Builds the autograd function on first use (no torch import when this module loads)."""
+
+    def __init__(self, build: Any) -> None:
+        self._build = build
+        self._fn: Any = None
+
+    def apply(self, *args: Any) -> Any:
+        if self._fn is None:
+            self._fn = self._build()
+        return self._fn.apply(*args)
+
+
+_BlockedLinear = _LazyFunction(_blocked_linear_function)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
