@@ -41,15 +41,18 @@ def _batch(prompts: list[list[int]], gens: list[Any]) -> Any:
 
     from palaestra.trainers.batching import TrainBatch
 
-    ids, masks, adv, rollout = [], [], [], []
+    ids: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
+    adv: list[torch.Tensor] = []
+    rollout: list[torch.Tensor] = []
     for i, (p, g) in enumerate(zip(prompts, gens)):
-        ids.append(list(p) + list(g.token_ids))
+        ids.append(torch.tensor(list(p) + list(g.token_ids)))
         mask = torch.tensor([0.0] * len(p) + [1.0] * len(g.token_ids))
         masks.append(mask)
         adv.append(mask * (1.0 if i % 2 else -1.0))
         rollout.append(torch.tensor([0.0] * len(p) + list(g.logprobs)))
-    return TrainBatch(token_ids=ids, loss_mask=masks, advantages=adv, rollout_logprobs=rollout,
-                      group_ids=tuple(f"g{i // 4}" for i in range(len(ids))))
+    return TrainBatch(token_ids=tuple(ids), loss_mask=tuple(masks), advantages=tuple(adv),
+                      rollout_logprobs=tuple(rollout), group_ids=tuple(f"g{i // 4}" for i in range(len(ids))))
 
 
 def _sync(device: str) -> None:
@@ -83,7 +86,6 @@ def measure(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
             await engine.close()
 
     gens, seconds = asyncio.run(run())
-    del engine
     tokens = sum(len(g.token_ids) for g in gens)
     backend = TorchBackend(model, TorchBackendConfig(device=args.device, on_policy=mode, lr=1e-6))
     batch = _batch(prompts, gens)

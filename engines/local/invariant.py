@@ -93,9 +93,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)`` for ``x [M, K]``, ``weight [N, K]``, in blocks of `ROW_BLOCK`
     rows (one `bmm_nt` call), each row's result independent of the others."""
-    import torch
-
-    m, k = x.shape
     if _on_cuda(x):  # the Triton GEMM is invariant to its row count: no blocks needed
         out = bmm_nt(x.unsqueeze(0), weight.unsqueeze(0), out_dtype)[0]
         return out if bias is None else out + bias.to(out.dtype)

@@ -1,6 +1,6 @@
 """``trainer.on_policy = "bitwise"`` end to end on CPU, and its load-time refusals.
 
-A short GRPO run of the micro model with the embedded engine: every RL step's logged
+A short GRPO run of the micro model with the embedded engine (reward: reply length): every RL step's logged
 ``rollout/logprob_max_abs_diff`` (max |trainer - engine| logprob over the trained tokens, from
 the first update's forward, before any weight changes) is exactly 0.0, so the first update's
 importance ratios against the rollout are exactly 1; the weights still change and are pushed
@@ -60,7 +60,8 @@ def test_bitwise_run_has_zero_logprob_gap_every_step(tmp_path, micro_model, yes_
 
     from palaestra.run.loop import train
 
-    train(load_config(TrainConfig, _config(tmp_path, micro_model, yes_env), []))
+    long_env = yes_env.replace("Yes-v0", "Long-v0")  # reward grows with length: advantages != 0
+    train(load_config(TrainConfig, _config(tmp_path, micro_model, long_env), []))
     run = tmp_path / "run"
     rl = [r for r in _read(run / "metrics.jsonl") if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [0, 1, 2, 3]
