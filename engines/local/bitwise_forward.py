@@ -114,10 +114,12 @@ class PackedStore:
 
 
 def hidden_states(w: BitwiseWeights, tokens: torch.Tensor, seq: torch.Tensor,
-                  pos: torch.Tensor, store: KVStore) -> torch.Tensor:
+                  pos: torch.Tensor, store: KVStore, plan: inv.AttentionPlan | None = None
+                  ) -> torch.Tensor:
     """The last hidden states ``[N, hidden]`` (before the final norm) of ``tokens [N]``, token
     ``i`` at position ``pos[i]`` of sequence ``seq[i]``, attending to what ``store`` holds of
-    its sequence up to its position (earlier tokens of this call included)."""
+    its sequence up to its position (earlier tokens of this call included). ``plan``: the
+    attention tiles when the caller has them (a decode step's `invariant.decode_plan`)."""
     c = w.config
     n = tokens.shape[0]
     heads, hkv, d = c.num_heads, c.num_kv_heads, c.head_dim
@@ -126,7 +128,8 @@ def hidden_states(w: BitwiseWeights, tokens: torch.Tensor, seq: torch.Tensor,
     cos = w.cos[pos].unsqueeze(1)
     sin = w.sin_signed[pos].unsqueeze(1)
     h = w.embed[tokens]
-    plan = inv.attention_plan(seq, pos, heads, hkv)  # the same for every layer
+    if plan is None:  # the same for every layer
+        plan = inv.attention_plan(seq, pos, heads, hkv)
     for i, layer in enumerate(w.layers):
         x = inv.rms_norm(h, layer.in_norm, c.rms_norm_eps)
         qkv = inv.linear(x, layer.qkv_w, layer.qkv_b)

@@ -278,6 +278,35 @@ def attention_plan(seq: torch.Tensor, pos: torch.Tensor, num_heads: int, num_kv_
     return AttentionPlan(total, tile, row, tile_seq, tile_group, blocks, key_pos, visible)
 
 
+def decode_plan(positions: torch.Tensor, num_heads: int, num_kv_heads: int, key_len: int
+                ) -> AttentionPlan:
+    """The `AttentionPlan` of a decode step: query ``b`` is the one new token of sequence
+    (slot) ``b`` at ``positions[b] < key_len``. The same tiles and rows as `attention_plan`
+    gives those queries, with blocks up to ``key_len`` (the longest row's, or a CUDA graph's
+    key-length bucket: blocks past a row's position add exact zeros); built from shapes and
+    device tensors only, with no host sync, so a CUDA graph can capture it."""
+    import torch
+
+    b, dev = positions.shape[0], positions.device
+    rep = num_heads // num_kv_heads
+    chunks = -(-rep // ROW_BLOCK)  # tiles per (sequence, kv head)
+    total = b * num_kv_heads * chunks
+    heads = torch.arange(num_heads, device=dev)
+    group, within = heads // rep, heads % rep
+    per_seq = group * chunks + within // ROW_BLOCK  # [H] tile within the sequence's tiles
+    tile = torch.arange(b, device=dev)[:, None] * (num_kv_heads * chunks) + per_seq[None, :]
+    row = (within % ROW_BLOCK)[None, :].expand(b, num_heads)
+    ids = torch.arange(total, device=dev)
+    tile_seq = ids // (num_kv_heads * chunks)
+    tile_group = (ids // chunks) % num_kv_heads
+    blocks = max(1, -(-key_len // KEY_BLOCK))
+    row_pos = torch.zeros(total, ROW_BLOCK, dtype=torch.long, device=dev).index_put(
+        (tile, row), positions[:, None].expand(b, num_heads))
+    key_pos = torch.arange(blocks * KEY_BLOCK, device=dev).view(blocks, KEY_BLOCK)
+    visible = key_pos[None, :, None, :] <= row_pos[:, None, :, None]
+    return AttentionPlan(total, tile, row, tile_seq, tile_group, blocks, key_pos, visible)
+
+
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
               scale: float) -> torch.Tensor:
     """Causal grouped-query attention, batch-invariant: query ``i`` (``q [N, H, D]``) attends to
@@ -312,6 +341,6 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: A
     return out[p.tile, p.row].reshape(n, heads * d)
 
 
-__all__ = ["KEY_BLOCK", "ROW_BLOCK", "AttentionPlan", "attention", "attention_plan", "bmm_nt", "divide_by_temperature", "linear",
+__all__ = ["KEY_BLOCK", "ROW_BLOCK", "AttentionPlan", "attention", "attention_plan", "decode_plan", "bmm_nt", "divide_by_temperature", "linear",
            "log_softmax",
            "rms_norm", "rope", "row_sum", "silu_mul", "token_logprobs"]

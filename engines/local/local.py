@@ -89,12 +89,12 @@ class LocalEngine:
         else:
             self.decoder = load_decoder(model_path, dev, dtype)  # type: ignore[arg-type]
         cfg = self.decoder.config
-        #: bitwise on-policy mode: batch-invariant forwards and logprobs (`bitwise_forward`),
-        #: no CUDA graphs (a step's shapes follow its key length)
+        #: bitwise on-policy mode: batch-invariant forwards and logprobs (`bitwise_forward`);
+        #: its decode step is graph-capturable (`invariant.decode_plan`)
         self.bitwise = bitwise
         if bitwise:
             self.decoder.enable_bitwise()
-            cuda_graphs, decode_attention = False, "dense"
+            decode_attention = "dense"
         self.decode_attention = choose_decode_attention(self.decoder, dev, dtype, decode_attention)
         self.max_model_len = min(max_model_len or cfg.max_positions, cfg.max_positions)
         self.max_running = max_running

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from palaestra.engines.local.bitwise_forward import BitwiseWeights, KVStore
+    from palaestra.engines.local.invariant import AttentionPlan
     from palaestra.engines.local.kv_cache import SlotKVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
@@ -427,11 +428,12 @@ class Decoder:
                               self.layers, self.cos, self.sin)
 
     def _bitwise_logits(self, tokens: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
-                        store: KVStore, rows: torch.Tensor | None = None) -> torch.Tensor:
+                        store: KVStore, rows: torch.Tensor | None = None,
+                        plan: AttentionPlan | None = None) -> torch.Tensor:
         from palaestra.engines.local import bitwise_forward as bf
 
         w = self.bitwise_weights()
-        h = bf.hidden_states(w, tokens, seq, pos, store)
+        h = bf.hidden_states(w, tokens, seq, pos, store, plan)
         return bf.logits(w, h if rows is None else h[rows])
 
     # ----------------------------------------------------------------------------- forward
@@ -513,8 +515,13 @@ class Decoder:
         if self.bitwise:
             from palaestra.engines.local.bitwise_forward import SlotCacheStore
 
+            from palaestra.engines.local.invariant import decode_plan
+
+            c = self.config  # no host sync on this path: a CUDA graph captures it
+            plan = decode_plan(positions, c.num_heads, c.num_kv_heads, key_len)
             slots = torch.arange(tokens.shape[0], device=tokens.device)
-            return self._bitwise_logits(tokens, slots, positions, SlotCacheStore(cache))
+            return self._bitwise_logits(tokens, slots, positions, SlotCacheStore(cache),
+                                        plan=plan)
         c = self.config
         b = tokens.shape[0]
         hkv, d = c.num_kv_heads, c.head_dim

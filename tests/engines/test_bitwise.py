@@ -184,6 +184,8 @@ async def _sample(model_dir: str, device: str):
         second = await asyncio.gather(*(engine.generate(p, params) for p in more))
         alone = await engine.generate(prompts[3], SamplingParams(
             max_new_tokens=24, temperature=0.8, ignore_eos=True, seed=7))
+        if device == "cuda":  # the decode steps ran as captured graphs
+            assert engine._graphs is not None and engine._graphs.replays > 0
     finally:
         await engine.close()
     assert all(g.cached_tokens > 0 for g in second), "the second turns should hit the cache"
