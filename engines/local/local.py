@@ -299,6 +299,10 @@ class LocalEngine:
 
         if (path is None) == (adapter is None):
             raise EngineError("load_lora_adapter takes exactly one of path or adapter")
+        if self.bitwise:
+            raise EngineError("this engine runs in bitwise on-policy mode, which serves no LoRA "
+                              "adapters: merge the adapter into the weights, or start the "
+                              "engine without bitwise")
         parsed = adapter if adapter is not None else await asyncio.to_thread(
             LoraAdapter.from_folder, name, str(path))
         parsed.name = name

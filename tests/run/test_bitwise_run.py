@@ -70,6 +70,8 @@ def test_bitwise_run_has_zero_logprob_gap_every_step(tmp_path, micro_model, yes_
     print(f"rollout/logprob_max_abs_diff per step: {gaps}")
     assert gaps == [0.0] * 4
     assert all(r["rollout/logprob_mean_abs_diff"] == 0.0 for r in rl)
+    # the first update's importance ratios against the rollout: every one exactly 1
+    assert all(r["rollout/ratio_max_abs_dev"] == 0.0 for r in rl)
     before = load_file(str(micro_model / "model.safetensors"))
     after = load_file(str(run / "checkpoints" / "rl-000004" / "model.safetensors"))
     assert any(not (before[k] == after[k]).all() for k in before if k in after)

@@ -1,4 +1,5 @@
-"""The rollout/trainer logprob mismatch: ``rollout/logprob_max_abs_diff`` and its mean.
+"""The rollout/trainer logprob mismatch: ``rollout/logprob_max_abs_diff``, its mean, and the
+largest deviation of an importance ratio from 1 (``rollout/ratio_max_abs_dev``).
 
 ``|log pi_trainer(x_t) - log pi_engine(x_t)|`` over the trained tokens (``loss_mask > 0``) of a
 batch, the trainer's logprobs taken with the weights that sampled it (before the step's update).
@@ -20,9 +21,12 @@ LOGPROB_DIFF_MAX = "rollout/logprob_max_abs_diff"
 LOGPROB_DIFF_SUM = "rollout/logprob_abs_diff_sum"
 LOGPROB_DIFF_TOKENS = "rollout/logprob_diff_tokens"
 LOGPROB_DIFF_MEAN = "rollout/logprob_mean_abs_diff"
+#: the largest |pi_trainer / pi_engine - 1| over the trained tokens: how far the first update's
+#: importance ratios against the rollout are from 1 (exactly 0.0 in bitwise on-policy mode)
+RATIO_MAX_DEV = "rollout/ratio_max_abs_dev"
 #: metric keys that backends aggregate by max (over micro-batches and ranks), not by sum
-MAX_METRICS = frozenset({LOGPROB_DIFF_MAX})
-_RAW = (LOGPROB_DIFF_MAX, LOGPROB_DIFF_SUM, LOGPROB_DIFF_TOKENS)
+MAX_METRICS = frozenset({LOGPROB_DIFF_MAX, RATIO_MAX_DEV})
+_RAW = (LOGPROB_DIFF_MAX, LOGPROB_DIFF_SUM, LOGPROB_DIFF_TOKENS, RATIO_MAX_DEV)
 
 
 def logprob_diff_stats(logp: torch.Tensor, rollout_logp: torch.Tensor, loss_mask: torch.Tensor
@@ -30,9 +34,13 @@ def logprob_diff_stats(logp: torch.Tensor, rollout_logp: torch.Tensor, loss_mask
     """Max, sum and count of ``|logp - rollout_logp|`` over the tokens where ``loss_mask > 0``
     (the trained tokens); all zero for a micro-batch without one."""
     mask = loss_mask > 0
-    diff = torch.where(mask, (logp.detach().float() - rollout_logp.float()).abs(), 0.0)
-    return {LOGPROB_DIFF_MAX: diff.max() if diff.numel() else diff.sum(),
-            LOGPROB_DIFF_SUM: diff.sum(), LOGPROB_DIFF_TOKENS: mask.sum().to(diff.dtype)}
+    log_ratio = logp.detach().float() - rollout_logp.float()
+    diff = torch.where(mask, log_ratio.abs(), 0.0)
+    ratio_dev = torch.where(mask, (torch.exp(log_ratio) - 1.0).abs(), 0.0)
+    empty = not diff.numel()
+    return {LOGPROB_DIFF_MAX: diff.sum() if empty else diff.max(),
+            LOGPROB_DIFF_SUM: diff.sum(), LOGPROB_DIFF_TOKENS: mask.sum().to(diff.dtype),
+            RATIO_MAX_DEV: ratio_dev.sum() if empty else ratio_dev.max()}
 
 
 def merge_metric(key: str, total: float, value: float) -> float:
@@ -46,8 +54,11 @@ def step_metrics(train: Mapping[str, float]) -> dict[str, float]:
     if LOGPROB_DIFF_TOKENS not in train:
         return {}
     tokens = train[LOGPROB_DIFF_TOKENS]
-    return {LOGPROB_DIFF_MAX: train[LOGPROB_DIFF_MAX],
-            LOGPROB_DIFF_MEAN: train[LOGPROB_DIFF_SUM] / tokens if tokens else 0.0}
+    out = {LOGPROB_DIFF_MAX: train[LOGPROB_DIFF_MAX],
+           LOGPROB_DIFF_MEAN: train[LOGPROB_DIFF_SUM] / tokens if tokens else 0.0}
+    if RATIO_MAX_DEV in train:
+        out[RATIO_MAX_DEV] = train[RATIO_MAX_DEV]
+    return out
 
 
 def without_raw(train: Mapping[str, float]) -> dict[str, float]:
@@ -65,5 +76,5 @@ def batch_metrics(trainer_logprobs: Sequence[torch.Tensor], rollout_logprobs: Se
     return step_metrics(merged)
 
 
-__all__ = ["LOGPROB_DIFF_MAX", "LOGPROB_DIFF_MEAN", "MAX_METRICS", "batch_metrics",
+__all__ = ["LOGPROB_DIFF_MAX", "LOGPROB_DIFF_MEAN", "MAX_METRICS", "RATIO_MAX_DEV", "batch_metrics",
            "logprob_diff_stats", "merge_metric", "step_metrics", "without_raw"]
