@@ -234,7 +234,10 @@ def _loss_problems(cfg: TrainConfig) -> list[Problem]:
     out += critic_problems(cfg)  # GAE's critic ([critic]), PPO's mini-batches
     backend = cfg.trainer.megatron if cfg.trainer.backend == "megatron" else cfg.trainer.torch
     section = f"trainer.{cfg.trainer.backend}"
-    if loss.advantage_estimator in GROUP_BASELINES and cfg.rollout.group_size < 2:
+    # pure on-policy distillation (no env reward in the advantage) compares no samples
+    pure_distill = cfg.distill.teacher is not None and cfg.distill.reward_coef == 0
+    if (loss.advantage_estimator in GROUP_BASELINES and cfg.rollout.group_size < 2
+            and not pure_distill):
         out.append(Problem(("rollout.group_size", "trainer.loss"), (
             f"rollout.group_size = {cfg.rollout.group_size} with "
             f"{loss.advantage_estimator!r} advantages{preset}: each sample is compared with the "

@@ -62,6 +62,28 @@ def test_distillation_lowers_reverse_kl_and_raises_success(tmp_path, micro_model
     assert all("rollout/logprob_max_abs_diff" in r for r in rl)
 
 
+def test_pure_distillation_trains_with_groups_of_one(tmp_path, micro_model, yes_env):
+    """Without the env reward nothing compares the samples of a group: one sample per prompt
+    is accepted and the reverse KL still falls."""
+    from palaestra.run.loop import train
+
+    teacher = _teacher(tmp_path, micro_model, yes_env)
+    config = _merge(tmp_path, micro_model, yes_env, _demos(tmp_path / "demos.jsonl", 3))
+    cfg = load_config(TrainConfig, config, [
+        "--distill.teacher", str(teacher), "--distill.reward_coef", "0",
+        "--rollout.group_size", "1", "--rollout.batch_size", "32", "--trainer.steps", "12",
+        "--eval.num_tasks", "0"])
+    train(cfg)
+    rl = [r for r in _read(tmp_path / "run" / "metrics.jsonl") if r["phase"] == "rl"]
+    kl = [r["distill/reverse_kl"] for r in rl]
+    print(f"reverse KL per step, groups of one: {[round(k, 3) for k in kl]}")
+    assert kl[0] > 0.2 and sum(kl[-2:]) / 2 < 0.25 * kl[0], kl
+    with pytest.raises(ConfigError, match="group_size"):  # with the env reward: refused
+        load_config(TrainConfig, config, ["--distill.teacher", str(teacher),
+                                          "--distill.reward_coef", "0.5",
+                                          "--rollout.group_size", "1"])
+
+
 def _problems(tmp_path: Path, model: Path, *overrides: str) -> str:
     config = tmp_path / "run.toml"
     config.write_text(f'out = "{tmp_path / "run"}"\n[model]\npath = "{model}"\n')
