@@ -50,6 +50,7 @@ def critic_backend_settings(cfg: TrainConfig) -> Any:
         changes["max_tokens_per_micro_batch"] = c.max_tokens_per_micro_batch
     if not megatron:
         changes["ref_model_path"] = None
+        changes["on_policy"] = "default"  # values are no sampled logprobs
     data = {**base.model_dump(), **changes, **(c.megatron if megatron else c.torch)}
     cls = MegatronBackendConfig if megatron else TorchBackendConfig
     return cls.model_validate(data)

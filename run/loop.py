@@ -731,13 +731,14 @@ async def _train(cfg: TrainConfig, run: RunDir) -> dict[str, Any]:
             with _phases(cfg.algorithm):
                 await asyncio.to_thread(run_offline, cfg, run, model_path, spec)
             return {}
+        from palaestra.run.on_policy import bitwise as bitwise_on_policy
         from palaestra.run.run_engines import start_engine_actors
 
         # [placement] engines as Ray actors on their bundles, else the engines of [engine]
         engine_cfg, engine = await start_engine_actors(cfg, model_path) or (
             cfg.engine, build_engine(cfg.engine, model_path, max_model_len=cfg.agent.max_context,
                                      seed=cfg.seed, servers_dir=Path(cfg.out) / "servers",
-                                     bitwise=cfg.trainer.on_policy == "bitwise"))
+                                     bitwise=bitwise_on_policy(cfg)))
         sync: EngineSync | None = None
         try:
             from palaestra.engines.clients.sglang import SGLangEngine

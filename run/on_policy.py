@@ -29,7 +29,7 @@ def bitwise(cfg: TrainConfig) -> bool:
 
 def on_policy_problems(cfg: TrainConfig) -> list[Problem]:
     """Why ``trainer.on_policy = "bitwise"`` cannot hold in this run (empty otherwise)."""
-    if not bitwise(cfg):
+    if not bitwise(cfg) and cfg.trainer.torch.on_policy == "default":
         return []
     key = "trainer.on_policy"
     out: list[Problem] = []
@@ -50,18 +50,27 @@ def on_policy_problems(cfg: TrainConfig) -> list[Problem]:
     if torch_cfg.dtype != "auto":
         refuse("trainer.torch.dtype", "the trainer computes in the engine's dtype (float32 on "
                "CPU, bfloat16 on CUDA): leave trainer.torch.dtype = 'auto'")
-    engine_device, trainer_device = cfg.engine.device, torch_cfg.device
-    if engine_device is not None and trainer_device != "auto" and (
-            engine_device.split(":")[0] != trainer_device.split(":")[0]):
-        refuse("engine.device", f"the engine ({engine_device}) and the trainer "
-               f"({trainer_device}) must run on the same kind of device")
+    engine_device = (cfg.engine.device or "auto").split(":")[0]
+    trainer_device = torch_cfg.device.split(":")[0]
+    if engine_device != trainer_device:  # "auto" on one side only could resolve to another
+        refuse("engine.device", f"the engine ({cfg.engine.device or 'auto'}) and the trainer "
+               f"({torch_cfg.device}) must run on one kind of device: set engine.device and "
+               "trainer.torch.device alike (both 'cpu', both 'cuda', or both left to auto)")
+    if cfg.engine.weight_sync.dtype is not None:
+        refuse("engine.weight_sync.dtype", "the engine must hold the weights the trainer "
+               "reads, cast only to the engine's own dtype: remove engine.weight_sync.dtype")
+    if torch_cfg.on_policy != cfg.trainer.on_policy:
+        refuse("trainer.torch.on_policy", "set trainer.on_policy (it sets the engine's mode "
+               "and trainer.torch.on_policy together), not trainer.torch.on_policy alone")
     if cfg.rollout.top_p < 1.0:
         refuse("rollout.top_p", "top-p sampling draws from a truncated distribution whose "
                "logprobs are not the trained ones: set rollout.top_p = 1.0")
     if cfg.trainer.routing_replay != "off":
         refuse("trainer.routing_replay", "MoE models are not covered")
+    from palaestra.tiny_model import MOE_SIZES
+
     size = cfg.model.init_size
-    if size is not None and size.startswith("moe"):
+    if size is not None and size in MOE_SIZES:
         refuse("model.init_size", f"{size!r} is a MoE model; bitwise mode covers dense "
                f"{', '.join(BITWISE_MODEL_TYPES)} models")
     config_json = cfg.in_run(cfg.model.path) / "config.json"

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 
-async def _sample(engine: Any, prompts: list[list[int]], new_tokens: int) -> tuple[list[Any], float]:
+async def _sample(engine: Any, prompts: list[list[int]], new_tokens: int
+                  ) -> tuple[list[Any], float]:
     from palaestra.engine import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
@@ -52,7 +53,8 @@ def _batch(prompts: list[list[int]], gens: list[Any]) -> Any:
         adv.append(mask * (1.0 if i % 2 else -1.0))
         rollout.append(torch.tensor([0.0] * len(p) + list(g.logprobs)))
     return TrainBatch(token_ids=tuple(ids), loss_mask=tuple(masks), advantages=tuple(adv),
-                      rollout_logprobs=tuple(rollout), group_ids=tuple(f"g{i // 4}" for i in range(len(ids))))
+                      rollout_logprobs=tuple(rollout),
+                      group_ids=tuple(f"g{i // 4}" for i in range(len(ids))))
 
 
 def _sync(device: str) -> None:

@@ -22,8 +22,8 @@ For each (linear, M) it reports:
 ``--sweep`` also times other tile configurations (``name=BMxBNxBK/warps/stages`` through the
 kernel's private ``tiles`` argument: each is batch invariant, but they differ from one another in
 bits, so one must be chosen for the engine and the trainer alike), so `TILES` can be chosen
-from numbers. A last line sums one forward's linears (``--layers`` layers of q/k/v, o, gate/up and down, plus
-the lm_head) per M for both. Imports only torch, triton and palaestra's engine.
+from numbers. A last line sums one forward's linears (``--layers`` layers of q/k/v, o, gate/up
+and down, plus the lm_head) per M for both. Imports only torch, triton and palaestra's engine.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from palaestra.engines.local import invariant as inv
 if TYPE_CHECKING:
     import torch
 
+    from palaestra.engines.local.kv_cache import SlotKVCache
     from palaestra.engines.local.model import DecoderConfig
 
 
@@ -86,9 +87,9 @@ class KVStore(Protocol):
 class SlotCacheStore:
     """The engine's `SlotKVCache`: sequence = cache slot, written in place."""
 
-    def __init__(self, cache: object) -> None:
-        self.k: Sequence[torch.Tensor] = cache.k  # type: ignore[attr-defined]
-        self.v: Sequence[torch.Tensor] = cache.v  # type: ignore[attr-defined]
+    def __init__(self, cache: SlotKVCache) -> None:
+        self.k: torch.Tensor = cache.k  # [layers, slots, kv heads, length, head dim]
+        self.v: torch.Tensor = cache.v
 
     def write(self, layer: int, seq: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,10 +13,11 @@ goes through one of two primitives whose order is fixed by construction, and ele
 written with operations that are the same on both paths:
 
 - `bmm_nt`: ``c[g] = a[g] @ b[g].T`` for matrices of a fixed shape. On CPU a torch ``bmm`` of at
-  least two matrices: torch then splits the batch over its threads and each matrix runs as one
-  single-threaded GEMM of that shape, whose rows do not depend on their position or on the
-  other rows (tested over row orders, batch counts 2-99 and thread counts). On CUDA a Triton
-  GEMM with fixed tiles (`palaestra.engines.local.invariant_triton`).
+  least two matrices: a batched GEMM computes each matrix of one shape the same way, whatever
+  the batch count, the row order within the matrix and the thread count (measured over batch
+  counts 2-99, shuffled rows, 1 and 2 threads and worker threads; a lone matrix, G = 1, is the
+  exception for some shapes, hence the zero companion). On CUDA a Triton GEMM with fixed tiles
+  (`palaestra.engines.local.invariant_triton`).
 - `row_sum`: a float32 sum over the last dim; on CPU torch's inner reduction with at least two
   rows (one row alone is split across threads), on CUDA one Triton program per row.
 - `linear` on CPU cuts the rows into blocks of `ROW_BLOCK` (the last padded with zeros) and runs
@@ -39,14 +40,16 @@ the Triton forward): the backward need not be invariant, only the forward that s
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-#: rows per GEMM block: every `linear` runs ``[ROW_BLOCK, K] x [K, N]`` products (32 measured
-#: 1.2-1.3x a plain GEMM over 3000 rows on CPU; 64 turns multi-threaded at G = 1 for some shapes)
+#: rows per GEMM block on CPU: every `linear` runs ``[ROW_BLOCK, K] x [K, N]`` products (32
+#: measured 1.2-1.3x a plain GEMM over 3,000 rows, and pads a 16-row decode step half as much
+#: as 64 would)
 ROW_BLOCK = 32
 #: key positions per attention block
 KEY_BLOCK = 64
@@ -96,7 +99,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _on_cuda(x):  # the Triton GEMM is invariant to its row count: no blocks needed
         out = bmm_nt(x.unsqueeze(0), weight.unsqueeze(0), out_dtype)[0]
         return out if bias is None else out + bias.to(out.dtype)
-    out = _BlockedLinear.apply(x, weight, out_dtype)
+    out = _blocked_linear_function().apply(x, weight, out_dtype)
     return out if bias is None else out + bias.to(out.dtype)
 
 
@@ -114,7 +117,8 @@ def _blocked_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtyp
     return out.reshape(-1, weight.shape[0])[:m]
 
 
-def _blocked_linear_function() -> type:
+@functools.cache
+def _blocked_linear_function() -> Any:
     """The CPU `linear` as an autograd function: the forward in invariant blocks, the backward
     as two plain GEMMs (autograd through the blocked forward would build a ``[blocks, N, K]``
     gradient of the expanded weight and sum it)."""
@@ -138,20 +142,7 @@ def _blocked_linear_function() -> type:
     return BlockedLinear
 
 
-class _LazyFunction:
-    """Builds the autograd function on first use (no torch import when this module loads)."""
 
-    def __init__(self, build: Any) -> None:
-        self._build = build
-        self._fn: Any = None
-
-    def apply(self, *args: Any) -> Any:
-        if self._fn is None:
-            self._fn = self._build()
-        return self._fn.apply(*args)
-
-
-_BlockedLinear = _LazyFunction(_blocked_linear_function)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -313,7 +304,22 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: A
     positions ``0..pos[i]`` of sequence ``seq[i]`` of ``keys``/``values [S, Hkv, L, D]`` (a
     KV cache, or the packed sequences of a training batch), ``plan`` being
     ``attention_plan(seq, pos, ...)``. Positions a query does not see must hold finite numbers.
-    Returns ``[N, H * D]`` in q's dtype."""
+    Returns ``[N, H * D]`` in q's dtype. Under autograd the tiles are recomputed in the backward
+    (checkpointed) instead of kept: a layer's gathered key/value tiles and scores are several
+    times its activations."""
+    import torch
+
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, keys, values)):
+        from torch.utils.checkpoint import checkpoint
+
+        out: torch.Tensor = checkpoint(_attention, q, keys, values, plan, scale,
+                                       use_reentrant=False)
+        return out
+    return _attention(q, keys, values, plan, scale)
+
+
+def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
+               scale: float) -> torch.Tensor:
     import torch
 
     n, heads, d = q.shape
@@ -341,6 +347,20 @@ def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: A
     return out[p.tile, p.row].reshape(n, heads * d)
 
 
-__all__ = ["KEY_BLOCK", "ROW_BLOCK", "AttentionPlan", "attention", "attention_plan", "decode_plan", "bmm_nt", "divide_by_temperature", "linear",
-           "log_softmax",
-           "rms_norm", "rope", "row_sum", "silu_mul", "token_logprobs"]
+__all__ = [
+    "KEY_BLOCK",
+    "ROW_BLOCK",
+    "AttentionPlan",
+    "attention",
+    "attention_plan",
+    "bmm_nt",
+    "decode_plan",
+    "divide_by_temperature",
+    "linear",
+    "log_softmax",
+    "rms_norm",
+    "rope",
+    "row_sum",
+    "silu_mul",
+    "token_logprobs",
+]

@@ -417,6 +417,12 @@ class Decoder:
         if self.lora is not None:
             raise EngineError("bitwise on-policy mode does not serve LoRA adapters: merge them "
                               "(lora_mode = 'merged') or use trainer.on_policy = 'default'")
+        if self.device.type == "cuda":
+            from palaestra.engines.local.invariant_triton import available
+
+            if not available("cuda"):
+                raise EngineError("bitwise on-policy mode on CUDA runs Triton kernels: "
+                                  "pip install triton (it comes with torch's CUDA wheels)")
         self.bitwise = True
         self.split_kv_attention = False
 

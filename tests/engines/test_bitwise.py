@@ -76,6 +76,9 @@ def test_elementwise_parts_agree_on_vector_and_scalar_paths():
     up = torch.ones_like(strided)
     assert torch.equal(inv.silu_mul(strided, up), inv.silu_mul(contiguous, up.contiguous()))
     assert torch.equal(torch.exp(strided), torch.exp(contiguous))
+    positive = strided.abs() + 1e-3  # log-softmax's normaliser and RMSNorm's root
+    assert torch.equal(torch.log(positive), torch.log(positive.contiguous()))
+    assert torch.equal(torch.sqrt(positive), torch.sqrt(positive.contiguous()))
     assert torch.allclose(inv.silu_mul(contiguous, up), F.silu(contiguous), atol=1e-6)
 
 

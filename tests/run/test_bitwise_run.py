@@ -1,10 +1,11 @@
 """``trainer.on_policy = "bitwise"`` end to end on CPU, and its load-time refusals.
 
-A short GRPO run of the micro model with the embedded engine (reward: reply length): every RL step's logged
-``rollout/logprob_max_abs_diff`` (max |trainer - engine| logprob over the trained tokens, from
-the first update's forward, before any weight changes) is exactly 0.0, so the first update's
-importance ratios against the rollout are exactly 1; the weights still change and are pushed
-to the engine between steps, so each step checks a new model.
+A short GRPO run of the micro model with the embedded engine (reward: reply length): every RL
+step's logged ``rollout/logprob_max_abs_diff`` (max |trainer - engine| logprob over the trained
+tokens, from the first update's forward, before any weight changes) is exactly 0.0, and so is
+``rollout/ratio_max_abs_dev`` (the first update's importance ratios against the rollout are
+exactly 1); the weights still change and are pushed to the engine between steps, so each step
+checks a new model.
 """
 
 from __future__ import annotations
@@ -89,6 +90,10 @@ def _refusal(tmp_path: Path, model: Path, env_id: str, *overrides: str) -> str:
     (("--trainer.torch.dtype", "bfloat16"), "trainer.torch.dtype"),
     (("--rollout.top_p", "0.9"), "top_p"),
     (("--trainer.torch.lora", "{rank = 4}"), "LoRA"),
+    (("--engine.device", "cuda"), "one kind of device"),
+    (("--engine.weight_sync.dtype", "bfloat16"), "engine.weight_sync.dtype"),
+    (("--trainer.on_policy", "default", "--trainer.torch.on_policy", "bitwise"),
+     "not trainer.torch.on_policy alone"),
 ])
 def test_settings_bitwise_cannot_serve_are_refused(tmp_path, micro_model, yes_env, overrides,
                                                    words):

@@ -36,7 +36,7 @@ def logprob_diff_stats(logp: torch.Tensor, rollout_logp: torch.Tensor, loss_mask
     mask = loss_mask > 0
     log_ratio = logp.detach().float() - rollout_logp.float()
     diff = torch.where(mask, log_ratio.abs(), 0.0)
-    ratio_dev = torch.where(mask, (torch.exp(log_ratio) - 1.0).abs(), 0.0)
+    ratio_dev = torch.where(mask, torch.expm1(log_ratio).abs(), 0.0)  # exact near 0
     empty = not diff.numel()
     return {LOGPROB_DIFF_MAX: diff.sum() if empty else diff.max(),
             LOGPROB_DIFF_SUM: diff.sum(), LOGPROB_DIFF_TOKENS: mask.sum().to(diff.dtype),
@@ -66,7 +66,8 @@ def without_raw(train: Mapping[str, float]) -> dict[str, float]:
     return {k: v for k, v in train.items() if k not in _RAW}
 
 
-def batch_metrics(trainer_logprobs: Sequence[torch.Tensor], rollout_logprobs: Sequence[torch.Tensor],
+def batch_metrics(trainer_logprobs: Sequence[torch.Tensor],
+                  rollout_logprobs: Sequence[torch.Tensor],
                   loss_mask: Sequence[torch.Tensor]) -> dict[str, float]:
     """The logged pair from whole-batch logprobs (e.g. PPO's pi_old forward), one row a sequence."""
     merged: dict[str, float] = {}
@@ -76,5 +77,5 @@ def batch_metrics(trainer_logprobs: Sequence[torch.Tensor], rollout_logprobs: Se
     return step_metrics(merged)
 
 
-__all__ = ["LOGPROB_DIFF_MAX", "LOGPROB_DIFF_MEAN", "MAX_METRICS", "RATIO_MAX_DEV", "batch_metrics",
-           "logprob_diff_stats", "merge_metric", "step_metrics", "without_raw"]
+__all__ = ["LOGPROB_DIFF_MAX", "LOGPROB_DIFF_MEAN", "MAX_METRICS", "RATIO_MAX_DEV",
+           "batch_metrics", "logprob_diff_stats", "merge_metric", "step_metrics", "without_raw"]

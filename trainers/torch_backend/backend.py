@@ -26,7 +26,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -66,6 +66,9 @@ from palaestra.trainers.torch_backend.fused_logprobs import shifted_linear_logpr
 from palaestra.trainers.torch_backend.kernels import resolve_kernels
 from palaestra.trainers.torch_backend.logprobs import shift_values, shifted_token_logprobs
 from palaestra.trainers.torch_backend.optim import build_optimizer, build_scheduler
+
+if TYPE_CHECKING:
+    from palaestra.trainers.torch_backend.bitwise import BitwiseForward
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -166,13 +169,17 @@ class TorchBackend:
         if self.lora is not None and self.fsdp:
             raise ConfigError("trainer.torch.lora runs on one process here (FSDP2 with a peft "
                               "model is not supported yet): drop torchrun or the lora section")
+        bitwise = self.config.on_policy == "bitwise"
+        if bitwise and (self.fsdp or self.lora is not None or self.config.critic):
+            raise ConfigError("on_policy = 'bitwise' runs one unsharded, fully trained policy "
+                              "(no FSDP ranks, LoRA adapter or critic): use 'default'")
         self.kernels = "torch"  # "liger" once Liger's kernels are patched into the policy
         self.model = self._load_model(self.model_path, trainable=True)
-        self.bitwise: Any = None  # `bitwise.BitwiseForward` of the policy in bitwise mode
-        if self.config.on_policy == "bitwise":
-            from palaestra.trainers.torch_backend.bitwise import BitwiseForward
+        self.bitwise: BitwiseForward | None = None  # the policy's forward in bitwise mode
+        if bitwise:
+            from palaestra.trainers.torch_backend.bitwise import BitwiseForward as Forward
 
-            self.bitwise = BitwiseForward(self.model, self.compute_dtype)
+            self.bitwise = Forward(self.model, self.compute_dtype)
         self.routing_replay: Any = None  # `RoutingReplay` of the policy when replaying
         if self.config.routing_replay == "rollout":
             from palaestra.trainers.routing_replay import RoutingReplay

@@ -8,8 +8,9 @@ the bits the engine reported when it sampled it, so ``rollout/logprob_max_abs_di
 the first update's importance ratios are exactly 1. Autograd runs through all of it (the
 concatenations, the casts and every batch-invariant operation), so training needs nothing else.
 
-Not covered (refused when the run is configured, `palaestra.run.config_checks`): MoE layers,
-LoRA adapters, Liger kernels, FSDP sharding.
+Not covered (refused when the run is configured, `palaestra.run.on_policy`, and by
+`TorchBackend`): MoE layers, LoRA adapters, FSDP sharding, a critic. Liger's patched modules are
+bypassed (the forward reads the parameters, not the modules).
 """
 
 from __future__ import annotations
@@ -47,24 +48,28 @@ def fused_weights(model: torch.nn.Module, dtype: torch.dtype,
     def cast(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(dtype)
 
+    def cast_(t: torch.Tensor) -> torch.Tensor:  # before concatenating: no float32 temporary
+        return t.to(dtype)
+
     layers = []
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv_b = None
         if attn.q_proj.bias is not None:
-            qkv_b = torch.cat((attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)).to(dtype)
+            qkv_b = torch.cat([cast_(attn.q_proj.bias), cast_(attn.k_proj.bias),
+                               cast_(attn.v_proj.bias)])
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
         layers.append(FusedLayer(
             in_norm=layer.input_layernorm.weight.to(dtype),
-            qkv_w=torch.cat((attn.q_proj.weight, attn.k_proj.weight,
-                             attn.v_proj.weight)).to(dtype),
+            qkv_w=torch.cat([cast_(attn.q_proj.weight), cast_(attn.k_proj.weight),
+                             cast_(attn.v_proj.weight)]),
             qkv_b=qkv_b,
             q_norm=cast(q_norm.weight if q_norm is not None else None),
             k_norm=cast(k_norm.weight if k_norm is not None else None),
             o_w=attn.o_proj.weight.to(dtype),
             post_norm=layer.post_attention_layernorm.weight.to(dtype),
-            gate_up_w=torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight)).to(dtype),
+            gate_up_w=torch.cat([cast_(mlp.gate_proj.weight), cast_(mlp.up_proj.weight)]),
             down_w=mlp.down_proj.weight.to(dtype),
         ))
     embed = inner.embed_tokens.weight.to(dtype)
@@ -74,12 +79,21 @@ def fused_weights(model: torch.nn.Module, dtype: torch.dtype,
     return BitwiseWeights(config, embed, inner.norm.weight.to(dtype), lm_head, layers, cos, sin)
 
 
-def _head_logprobs(weights: BitwiseWeights, h: torch.Tensor, targets: torch.Tensor,
-                   temperature: float) -> torch.Tensor:
-    from palaestra.engines.local import bitwise_forward as bf
-    from palaestra.engines.local.invariant import token_logprobs
+def _head(weights: BitwiseWeights, h: torch.Tensor, targets: torch.Tensor,
+          temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of ``targets`` and (``with_entropy``, else an empty tensor) the entropy of each
+    row's distribution, from one pass of the output layer and the invariant log-softmax."""
+    import torch
 
-    return token_logprobs(bf.logits(weights, h), targets, temperature)
+    from palaestra.engines.local import bitwise_forward as bf
+    from palaestra.engines.local.invariant import divide_by_temperature, log_softmax
+
+    t = temperature if temperature > 1e-6 else 1.0
+    logp_all = log_softmax(divide_by_temperature(bf.logits(weights, h), t))
+    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    if not with_entropy:
+        return logp, logp.new_zeros(0)
+    return logp, -(torch.exp(logp_all) * logp_all).sum(-1)
 
 
 class BitwiseForward:
@@ -110,13 +124,10 @@ def policy_logprobs(model: torch.nn.Module, mb: MicroBatch, *, dtype: torch.dtyp
     token, like `palaestra.trainers.torch_backend.logprobs.shifted_token_logprobs`), with
     autograd, bit-equal to the engine's in bitwise mode; the entropy when asked, from the same
     float32 logits (differentiable only with ``entropy_grad``)."""
-    import contextlib
-
     import torch
     from torch.utils.checkpoint import checkpoint
 
     from palaestra.engines.local import bitwise_forward as bf
-    from palaestra.engines.local.invariant import divide_by_temperature, log_softmax
 
     weights = fused_weights(model, dtype, rope)
     present = mb.seq_index >= 0
@@ -132,21 +143,15 @@ def policy_logprobs(model: torch.nn.Module, mb: MicroBatch, *, dtype: torch.dtyp
     targets_flat = torch.nonzero(valid.reshape(-1)).squeeze(1)
     prev = slot[targets_flat - 1]  # the hidden state that predicted each target token
     targets = mb.input_ids.reshape(-1)[targets_flat]
-    t = temperature if temperature > 1e-6 else 1.0
     parts, ent_parts = [], []
     for start in range(0, targets.numel(), HEAD_CHUNK):
-        hs = h[prev[start : start + HEAD_CHUNK]]
-        tg = targets[start : start + HEAD_CHUNK]
-        if torch.is_grad_enabled():
-            parts.append(checkpoint(_head_logprobs, weights, hs, tg, temperature,
-                                    use_reentrant=False))
-        else:
-            parts.append(_head_logprobs(weights, hs, tg, temperature))
-        if with_entropy:
-            with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-                logits = bf.logits(weights, hs)
-                logp_all = log_softmax(divide_by_temperature(logits, t))
-                ent_parts.append(-(logp_all.exp() * logp_all).sum(-1))
+        args = (weights, h[prev[start : start + HEAD_CHUNK]],
+                targets[start : start + HEAD_CHUNK], temperature, with_entropy)
+        # checkpointed: the backward recomputes a chunk's float32 [rows, vocab] work
+        logp, ent = (checkpoint(_head, *args, use_reentrant=False) if torch.is_grad_enabled()
+                     else _head(*args))
+        parts.append(logp)
+        ent_parts.append(ent if entropy_grad else ent.detach())
     logp_flat = torch.zeros(rows * width, dtype=torch.float32, device=h.device)
     if parts:
         logp_flat = logp_flat.index_put((targets_flat,), torch.cat(parts))

@@ -101,7 +101,8 @@ class TorchBackendConfig(OptimizerSettings):
     """"bitwise": the policy's logprobs come from the batch-invariant forward the embedded
     engine runs in the same mode (`palaestra.trainers.torch_backend.bitwise`), bit-equal to
     the rollout's; float32 on CPU, the engine's dtype (bfloat16) on CUDA; dense models,
-    no LoRA, Liger or FSDP. Set through ``trainer.on_policy``."""
+    no LoRA, FSDP or critic (Liger's patches are bypassed: the forward reads the parameters).
+    Set through ``trainer.on_policy``."""
 
 
 __all__ = ["TorchBackendConfig"]
