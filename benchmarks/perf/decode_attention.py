@@ -78,7 +78,7 @@ def _inputs(batch: int, lo: int, hi: int, dtype: Any, seed: int, dev: str = "cud
     return {"q": qkv[:, :HEADS], "k": k, "v": v, "lengths": lengths.to(dev), "key_len": key_len}
 
 
-def _graph_time_us(fn: Any, calls: int, replays: int) -> float:
+def graph_time_us(fn: Any, calls: int, replays: int) -> float:
     """Mean time of one call, from replays of a CUDA graph holding ``calls`` calls."""
     import torch
 
@@ -109,7 +109,7 @@ def _copy_gbs() -> float:
 
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
-    us = _graph_time_us(lambda: dst.copy_(src), calls=10, replays=10)
+    us = graph_time_us(lambda: dst.copy_(src), calls=10, replays=10)
     return 2 * src.numel() / (us * 1e-6) / 1e9
 
 
@@ -178,10 +178,10 @@ def measure(batch: int, lo: int, hi: int, calls: int, replays: int, peak: float,
     row: dict[str, Any] = {"batch": batch, "key_len": key_len, "mean_length": live / batch,
                            "useful_bytes": useful, "dense_bytes": padded, "hbm_bound_us": bound_us}
     mask = _dense_mask(lengths, key_len, q.dtype)
-    row["dense_us"] = _graph_time_us(
+    row["dense_us"] = graph_time_us(
         lambda: _dense_attention(q, k, v, mask, scale, key_len), calls, replays)
     for name, config in configs.items():
-        us = _graph_time_us(
+        us = graph_time_us(
             lambda c=config: decode_attention(q, k, v, lengths, scale, key_len, config=c),
             calls, replays)
         splits, chunk = num_splits(batch, KV_HEADS, key_len, config)

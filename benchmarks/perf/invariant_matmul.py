@@ -34,6 +34,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from palaestra.benchmarks.perf.decode_attention import graph_time_us
+
 #: (name, N, K) of y = x @ W.T, W [N, K]: Qwen3-0.6B (16 query heads, 8 key/value heads of 128)
 LINEARS = [("qkv", 4096, 1024), ("o", 1024, 2048), ("gate_up", 6144, 1024),
            ("down", 1024, 3072), ("lm_head", 151936, 1024)]
@@ -43,31 +45,6 @@ PEAK_BW_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0}
 SWEEP = {"m64n32k64_w4s3": (64, 32, 64, 4, 3), "m64n64k64_w4s3": (64, 64, 64, 4, 3),
          "m64n128k64_w4s3": (64, 128, 64, 4, 3), "m128n128k64_w8s3": (128, 128, 64, 8, 3),
          "m16n64k128_w4s3": (16, 64, 128, 4, 3), "m64n64k32_w4s4": (64, 64, 32, 4, 4)}
-
-
-def _graph_time_us(fn: Any, calls: int, replays: int) -> float:
-    """Mean time of one call, from replays of a CUDA graph holding ``calls`` calls."""
-    import torch
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * calls)
 
 
 def _checks(x: Any, w: Any) -> dict[str, Any]:
@@ -105,7 +82,7 @@ def _sweep(x: Any, w: Any, calls: int, replays: int, configs: dict[str, Any]
         def call(t: Any = tiles, rows: Any = x) -> Any:
             return _bmm_nt_forward(rows[None], w[None], rows.dtype, tiles=t)
 
-        out[f"{name}_us"] = _graph_time_us(call, calls, replays)
+        out[f"{name}_us"] = graph_time_us(call, calls, replays)
         out[f"{name}_row0_invariant"] = bool(torch.equal(call(rows=x[:1])[0], call()[0, :1]))
     return out
 
@@ -127,8 +104,8 @@ def measure(name: str, n: int, k: int, m: int, dtype: Any, calls: int, replays: 
     bound_us = (n * k + m * k + m * n) * elem / (peak * 1e9) * 1e6
     row: dict[str, Any] = {"linear": name, "n": n, "k": k, "m": m, "dtype": str(dtype),
                            "hbm_bound_us": bound_us}
-    row["torch_us"] = _graph_time_us(lambda: F.linear(x, w), calls, replays)
-    row["bmm_nt_us"] = _graph_time_us(lambda: bmm_nt(x[None], w[None]), calls, replays)
+    row["torch_us"] = graph_time_us(lambda: F.linear(x, w), calls, replays)
+    row["bmm_nt_us"] = graph_time_us(lambda: bmm_nt(x[None], w[None]), calls, replays)
     for path in ("torch", "bmm_nt"):
         row[f"{path}_tflops"] = flops / (row[f"{path}_us"] * 1e-6) / 1e12
         row[f"{path}_fraction_of_bound"] = bound_us / row[f"{path}_us"]

@@ -42,6 +42,9 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+# whether this path can run is the split-KV kernel's question too: CUDA and an importable Triton
+from palaestra.engines.local.decode_attention import available
+
 if TYPE_CHECKING:
     import torch
 
@@ -152,18 +155,6 @@ def _kernels() -> tuple[Any, Any, bool]:
 
     interpreted = not isinstance(bmm_nt_kernel, JITFunction)
     return bmm_nt_kernel, row_sum_kernel, interpreted
-
-
-@functools.cache
-def available(device_type: str) -> bool:
-    """Whether the Triton path can run on this device type (CUDA with Triton importable)."""
-    if device_type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _check_bmm_args(a: torch.Tensor, b: torch.Tensor) -> None:
