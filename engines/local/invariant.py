@@ -197,15 +197,6 @@ def divide_by_temperature(logits: torch.Tensor, temperatures: torch.Tensor | flo
     return logits.float() / (t[:, None] if t.dim() == 1 else t)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
-                   ) -> torch.Tensor:
-    """``log_softmax(logits / T)[token]`` per row (T <= 1e-6 means greedy and counts as 1),
-    the engines' logprob convention (`palaestra.engines.local.sampling`), batch-invariant."""
-    t = temperature if temperature > 1e-6 else 1.0
-    scaled = divide_by_temperature(logits, t)
-    return log_softmax(scaled).gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
-
-
 def _tiles(seq: torch.Tensor, num_heads: int, num_kv_heads: int
            ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where each (query, head) row goes: rows of one (sequence, key/value head) fill tiles of
@@ -256,15 +247,22 @@ class AttentionPlan:
 def attention_plan(seq: torch.Tensor, pos: torch.Tensor, num_heads: int, num_kv_heads: int
                    ) -> AttentionPlan:
     """The `AttentionPlan` of queries at ``pos [N]`` of sequences ``seq [N]``."""
-    import torch
-
     n = seq.shape[0]
     total, tile, row, tile_seq, tile_group = _tiles(seq, num_heads, num_kv_heads)
     blocks = int(pos.max()) // KEY_BLOCK + 1 if n else 1
+    return _plan(total, tile, row, tile_seq, tile_group, pos, blocks)
+
+
+def _plan(total: int, tile: torch.Tensor, row: torch.Tensor, tile_seq: torch.Tensor,
+          tile_group: torch.Tensor, pos: torch.Tensor, blocks: int) -> AttentionPlan:
+    """The `AttentionPlan` of tiles laid out as given: which key slot each tile row sees."""
+    import torch
+
+    n, heads = tile.shape
     # padding rows see position 0 only (finite, discarded)
-    row_pos = torch.zeros(total, ROW_BLOCK, dtype=torch.long, device=seq.device).index_put(
-        (tile, row), pos[:, None].expand(n, num_heads))
-    key_pos = torch.arange(blocks * KEY_BLOCK, device=seq.device).view(blocks, KEY_BLOCK)
+    row_pos = torch.zeros(total, ROW_BLOCK, dtype=torch.long, device=pos.device).index_put(
+        (tile, row), pos[:, None].expand(n, heads))
+    key_pos = torch.arange(blocks * KEY_BLOCK, device=pos.device).view(blocks, KEY_BLOCK)
     visible = key_pos[None, :, None, :] <= row_pos[:, None, :, None]
     return AttentionPlan(total, tile, row, tile_seq, tile_group, blocks, key_pos, visible)
 
@@ -291,11 +289,7 @@ def decode_plan(positions: torch.Tensor, num_heads: int, num_kv_heads: int, key_
     tile_seq = ids // (num_kv_heads * chunks)
     tile_group = (ids // chunks) % num_kv_heads
     blocks = max(1, -(-key_len // KEY_BLOCK))
-    row_pos = torch.zeros(total, ROW_BLOCK, dtype=torch.long, device=dev).index_put(
-        (tile, row), positions[:, None].expand(b, num_heads))
-    key_pos = torch.arange(blocks * KEY_BLOCK, device=dev).view(blocks, KEY_BLOCK)
-    visible = key_pos[None, :, None, :] <= row_pos[:, None, :, None]
-    return AttentionPlan(total, tile, row, tile_seq, tile_group, blocks, key_pos, visible)
+    return _plan(total, tile, row, tile_seq, tile_group, positions, blocks)
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: AttentionPlan,
@@ -362,5 +356,4 @@ __all__ = [
     "rope",
     "row_sum",
     "silu_mul",
-    "token_logprobs",
 ]

@@ -45,31 +45,26 @@ def fused_weights(model: torch.nn.Module, dtype: torch.dtype,
         raise ConfigError("trainer.on_policy = 'bitwise' covers dense models, not MoE ones")
     inner: Any = model.get_decoder()  # type: ignore[operator]
 
-    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(dtype)
-
-    def cast_(t: torch.Tensor) -> torch.Tensor:  # before concatenating: no float32 temporary
-        return t.to(dtype)
+    def fuse(*parts: torch.Tensor) -> torch.Tensor:  # cast first: no float32 temporary
+        return torch.cat([t.to(dtype) for t in parts])
 
     layers = []
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qkv_b = None
         if attn.q_proj.bias is not None:
-            qkv_b = torch.cat([cast_(attn.q_proj.bias), cast_(attn.k_proj.bias),
-                               cast_(attn.v_proj.bias)])
+            qkv_b = fuse(attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)
         q_norm = getattr(attn, "q_norm", None)
         k_norm = getattr(attn, "k_norm", None)
         layers.append(FusedLayer(
             in_norm=layer.input_layernorm.weight.to(dtype),
-            qkv_w=torch.cat([cast_(attn.q_proj.weight), cast_(attn.k_proj.weight),
-                             cast_(attn.v_proj.weight)]),
+            qkv_w=fuse(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight),
             qkv_b=qkv_b,
-            q_norm=cast(q_norm.weight if q_norm is not None else None),
-            k_norm=cast(k_norm.weight if k_norm is not None else None),
+            q_norm=None if q_norm is None else q_norm.weight.to(dtype),
+            k_norm=None if k_norm is None else k_norm.weight.to(dtype),
             o_w=attn.o_proj.weight.to(dtype),
             post_norm=layer.post_attention_layernorm.weight.to(dtype),
-            gate_up_w=torch.cat([cast_(mlp.gate_proj.weight), cast_(mlp.up_proj.weight)]),
+            gate_up_w=fuse(mlp.gate_proj.weight, mlp.up_proj.weight),
             down_w=mlp.down_proj.weight.to(dtype),
         ))
     embed = inner.embed_tokens.weight.to(dtype)
