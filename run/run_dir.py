@@ -8,7 +8,7 @@ Layout of ``--out DIR``::
     eval.jsonl          {"stage": "init"|"sft"|"rl"|"step-N", "success_rate": ..., ...}
     failures.jsonl      one object per failed episode: step, env_id, task_id, stop_reason, error
     console.log         what the run printed (progress bars in their final state)
-    timing.json         wall time of each phase of the last session
+    timing.json         wall time of each phase of the last invocation
     checkpoints/        <phase>-<step>/ (backend state + trainer state), newest kept
     curves.png          reward / length / loss curves (matplotlib)
     tb/                 TensorBoard event files

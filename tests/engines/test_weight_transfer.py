@@ -4,7 +4,7 @@ Two real server processes join one gloo process group with this test (rank 0, as
 weights go over `/init_weights_update_group` + `/update_weights_from_distributed` broadcasts, and
 through the disk fallback (`/update_weights_from_disk`). Checked by reading weights back with
 `/get_weights_by_name` and by greedy generations against an in-process engine holding the
-same weights. NCCL is the same code with CUDA tensors (run on the device tool).
+same weights. NCCL is the same code with CUDA tensors (run on a GPU).
 """
 
 from __future__ import annotations

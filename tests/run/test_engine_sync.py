@@ -1,7 +1,7 @@
 """`[engine.weight_sync]`: which path a config resolves to, and the errors for impossible ones.
 
 The paths themselves run end to end in test_loop.py (a separate server process) and
-tests/engines/test_weight_transfer.py; NCCL in test_loop_gpu.py on the device tool.
+tests/engines/test_weight_transfer.py; NCCL in test_loop_gpu.py on a GPU.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The training loop on GPUs (device tool): the Megatron backend colocated with the embedded
+"""The training loop on GPUs: the Megatron backend colocated with the embedded
 engine, and a disaggregated run (PyTorch trainer on GPU 0, an SGLang-API server on GPU 1, weights
 over an NCCL weight-update group). Skipped without CUDA."""
 

@@ -1,4 +1,4 @@
-"""PPO with a critic on one GPU (device tool): 3 steps of `palaestra train` on the Qwen3-0.6B
+"""PPO with a critic on one GPU: 3 steps of `palaestra train` on the Qwen3-0.6B
 layer shapes (random init, the quickstart's tokenizer), actor and critic on the same backend:
 torch + torch, then Megatron + Megatron. Skipped without CUDA (and Megatron without
 megatron-core). ``PALAESTRA_GPU_REPORT=DIR`` writes each run's per-step breakdown there."""

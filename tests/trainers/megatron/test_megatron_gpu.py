@@ -1,6 +1,6 @@
 """Megatron backend on a GPU: logprobs vs HF, training, weight sync, checkpoints, MoE, DeepSeek-V3.
 
-Run with the device tool (needs CUDA and megatron-core); skipped elsewhere. Measured numbers are
+Needs CUDA and megatron-core; skipped elsewhere. Measured numbers are
 printed (``-s``) and, with ``PALAESTRA_GPU_REPORT=dir``, written to ``dir/megatron_gpu.json``.
 """
 

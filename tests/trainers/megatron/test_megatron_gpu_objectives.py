@@ -4,7 +4,7 @@ Both backends load the same HF checkpoint and take two optimizer steps on the sa
 losses and their terms must agree (the objectives are the shared pure functions, so this checks
 everything around them: packing, pair handling, aggregation weights, value shifting, gradient
 clipping, Adam). The critic's export must load back into HF as a token-classification model with
-the same values. Run with the device tool; skipped without CUDA and megatron-core.
+the same values. Skipped without CUDA and megatron-core.
 """
 
 from __future__ import annotations
