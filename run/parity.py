@@ -15,7 +15,8 @@ Logged per step: ``rollout/full_vocab_logprob_max_abs_diff`` (the largest
 ``|log p_engine - log p_trainer|`` over the positions and the vocabulary),
 ``rollout/full_vocab_tv`` (the largest total-variation distance ``1/2 sum |p_engine -
 p_trainer|`` over the positions; its mean is ``rollout/full_vocab_tv_mean``),
-``rollout/full_vocab_positions`` (how many were compared) and, in sync mode,
+``rollout/full_vocab_positions`` (how many were compared), ``time/parity_s`` (what the two
+forwards cost) and, in sync mode,
 ``rollout/full_vocab_replay_max_abs_diff``: how far the engine's re-run is from the logprob it
 reported for the sampled token while sampling (0.0 in bitwise mode: the re-run is the sampling
 forward; in the default mode the rounding of a one-sequence prefill against a batched decode
@@ -44,6 +45,8 @@ TV = "rollout/full_vocab_tv"
 TV_MEAN = "rollout/full_vocab_tv_mean"
 POSITIONS = "rollout/full_vocab_positions"
 REPLAY_MAX_ABS_DIFF = "rollout/full_vocab_replay_max_abs_diff"
+#: what the check cost this step (both forwards)
+SECONDS = "time/parity_s"
 
 
 @runtime_checkable
@@ -147,16 +150,21 @@ class ParityCheck:
     async def step(self, samples: Sequence[Sample], step: int) -> dict[str, float]:
         """The parity metrics of a step's batch, before the step's update (positions drawn
         from a generator of the run's seed and the step: the same on a resumed run)."""
+        import time
+
         from palaestra.trainers.batching import TrainBatch
 
         if not samples:
             return {}
+        start = time.perf_counter()
         rng = random.Random(f"parity-{self.seed}-{step}")
-        return await measure(self.engine, self.trainer, TrainBatch.from_samples(samples),
-                             count=self.count, temperature=self.temperature, rng=rng,
-                             replay=self.replay)
+        out = await measure(self.engine, self.trainer, TrainBatch.from_samples(samples),
+                            count=self.count, temperature=self.temperature, rng=rng,
+                            replay=self.replay)
+        out[SECONDS] = time.perf_counter() - start
+        return out
 
 
-__all__ = ["MAX_ABS_DIFF", "POSITIONS", "REPLAY_MAX_ABS_DIFF", "TV", "TV_MEAN",
+__all__ = ["MAX_ABS_DIFF", "POSITIONS", "REPLAY_MAX_ABS_DIFF", "SECONDS", "TV", "TV_MEAN",
            "FullLogprobsEngine", "FullLogprobsTrainer", "ParityCheck", "choose_positions", "compare",
            "measure"]
