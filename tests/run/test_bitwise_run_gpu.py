@@ -43,8 +43,8 @@ def _rl_records(run: Path) -> list[dict]:
 
 def _check(run: Path) -> None:
     rl = _rl_records(run)
-    table = {k: [r.get(k) for r in rl] for k in (*ZERO, "rollout/full_vocab_positions", "time/parity_s",
-                                                 "train/grad_norm")}
+    keys = (*ZERO, "rollout/full_vocab_positions", "time/parity_s", "train/grad_norm")
+    table = {k: [r.get(k) for r in rl] for k in keys}
     print(json.dumps(table, indent=1))
     assert [r["step"] for r in rl] == list(range(STEPS)), table
     for key in ZERO:
