@@ -57,7 +57,7 @@ def fused_weights(model: torch.nn.Module, dtype: torch.dtype,
 
     def weight(proj: torch.nn.Module) -> torch.Tensor:
         """A projection's weight in ``dtype``, its active LoRA adapter merged."""
-        lora = _active_lora(proj)
+        lora = _active_lora(proj, dtype)
         base: torch.Tensor = proj.weight  # type: ignore[assignment]
         if lora is None:
             return base.to(dtype)
@@ -92,10 +92,13 @@ def fused_weights(model: torch.nn.Module, dtype: torch.dtype,
     return BitwiseWeights(config, embed, inner.norm.weight.to(dtype), lm_head, layers, cos, sin)
 
 
-def _active_lora(proj: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _active_lora(proj: torch.nn.Module, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(A [r, in], s B [out, r])`` in float32 of a peft LoRA projection's active adapter, as
-    the engine's `LoraAdapter` holds them (``B`` times the scale); None for a plain projection,
-    a disabled adapter, or one peft already merged into the base weight."""
+    the engine's `LoraAdapter` holds them: rounded to ``dtype`` first (an in-process adapter
+    push casts the adapter to the engine's dtype, bfloat16 on CUDA), ``B`` times the scale.
+    None for a plain projection, a disabled adapter, or one peft already merged into the base
+    weight."""
     lora_a: Any = getattr(proj, "lora_A", None)
     if lora_a is None or getattr(proj, "disable_adapters", False) or getattr(proj, "merged",
                                                                               False):
@@ -114,7 +117,8 @@ def _active_lora(proj: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | N
                           "where dropout cannot apply: set trainer.torch.lora.dropout = 0")
     lora_b: Any = getattr(proj, "lora_B")
     scale = float(getattr(proj, "scaling")[name])
-    return lora_a[name].weight.float(), lora_b[name].weight.float() * scale
+    return (lora_a[name].weight.to(dtype).float(),
+            lora_b[name].weight.to(dtype).float() * scale)
 
 
 def _head(weights: BitwiseWeights, h: torch.Tensor, targets: torch.Tensor,
