@@ -136,13 +136,15 @@ class ParityCheck:
     @classmethod
     def build(cls, cfg: TrainConfig, engine: object, trainer: object) -> ParityCheck | None:
         """The run's check, or None: ``trainer.parity_positions = 0``, or a side that is not in
-        this process (SGLang servers, engine actors, a Megatron or trainer-group backend), or
-        colocated phases (one side's weights are off the device during the other's)."""
+        this process (SGLang servers, engine actors, a Megatron, trainer-group or FSDP
+        backend), or colocated phases (one side's weights are off the device during the other's)."""
         count = cfg.trainer.parity_positions
         if count == 0 or cfg.placement is not None:
             return None
         if not isinstance(engine, FullLogprobsEngine) or not isinstance(trainer,
                                                                          FullLogprobsTrainer):
+            return None
+        if getattr(trainer, "fsdp", False):  # sharded ranks: no one process holds the policy
             return None
         return cls(engine, trainer, count=count, temperature=cfg.rollout.temperature,
                    seed=cfg.seed, replay=cfg.rollout.mode == "sync")

@@ -36,9 +36,9 @@ if TYPE_CHECKING:
     import torch
 
     from palaestra.contracts import Tokenizer
-    from palaestra.engines.local.parity import FullLogprobsRequest
     from palaestra.engines.local.kv_cache import SlotKVCache
     from palaestra.engines.local.model import Decoder
+    from palaestra.engines.local.parity import FullLogprobsRequest
 
 
 class LocalEngine:

@@ -135,3 +135,33 @@ def test_a_moe_model_is_refused(tmp_path, yes_env):
     moe = build_model(tmp_path / "moe", "moe-tiny")
     text = _refusal(tmp_path, moe, yes_env)
     assert "qwen3_moe" in text and "bitwise" in text, text
+
+
+def test_parity_check_runs_where_both_sides_answer(tmp_path, micro_model, yes_env):
+    """`ParityCheck.build`: on with an engine and a trainer that give full distributions (the
+    embedded engine, the unsharded torch backend), off with ``parity_positions = 0`` or a side
+    without them (servers, Megatron) or a sharded trainer."""
+    from palaestra.run.parity import ParityCheck
+
+    class Engine:
+        async def full_logprobs(self, request):
+            raise AssertionError("not called")
+
+    class Trainer:
+        fsdp = False
+
+        def full_logprobs(self, token_ids, positions):
+            raise AssertionError("not called")
+
+    class ShardedTrainer(Trainer):
+        fsdp = True
+
+    config = _config(tmp_path, micro_model, yes_env)
+    cfg = load_config(TrainConfig, config, [])
+    check = ParityCheck.build(cfg, Engine(), Trainer())
+    assert check is not None and check.count == 8 and check.replay
+    assert ParityCheck.build(cfg, object(), Trainer()) is None
+    assert ParityCheck.build(cfg, Engine(), object()) is None
+    assert ParityCheck.build(cfg, Engine(), ShardedTrainer()) is None
+    off = load_config(TrainConfig, config, ["--trainer.parity_positions", "0"])
+    assert ParityCheck.build(off, Engine(), Trainer()) is None

@@ -110,13 +110,12 @@ def _active_lora(proj: torch.nn.Module, dtype: torch.dtype
         raise ConfigError("bitwise on-policy mode merges one active LoRA adapter, not "
                           f"{len(active)}: {active}")
     name = active[0]
-    dropouts: Any = getattr(proj, "lora_dropout", {})
-    dropout: Any = dropouts[name] if name in dropouts else None
+    dropout: Any = dict(getattr(proj, "lora_dropout", {}).items()).get(name)  # a ModuleDict
     if dropout is not None and getattr(dropout, "p", 0.0) > 0 and proj.training:
         raise ConfigError("trainer.on_policy = 'bitwise' merges the adapter into the weights, "
                           "where dropout cannot apply: set trainer.torch.lora.dropout = 0")
-    lora_b: Any = getattr(proj, "lora_B")
-    scale = float(getattr(proj, "scaling")[name])
+    peft_layer: Any = proj
+    lora_b, scale = peft_layer.lora_B, float(peft_layer.scaling[name])
     return (lora_a[name].weight.to(dtype).float(),
             lora_b[name].weight.to(dtype).float() * scale)
 
