@@ -317,7 +317,12 @@ class TrainerSection(Section):
     (``rollout/logprob_max_abs_diff`` = 0.0 each step, first-update importance ratios exactly
     1); costs engine and train speed (docs/on_policy.md). "default": the fast kernels of each
     side, their gap measured every step. Bitwise needs engine.kind = "local", the torch backend,
-    a dense model, full fine-tuning and top_p = 1 (refused otherwise)."""
+    a dense model, LoRA without dropout if any, and top_p = 1 (refused otherwise)."""
+    parity_positions: int = Field(8, ge=0)
+    """Positions per RL step at which the embedded engine's and the torch backend's full
+    next-token distributions are compared (``rollout/full_vocab_logprob_max_abs_diff``,
+    ``rollout/full_vocab_tv``; exactly 0.0 in bitwise mode; docs/on_policy.md); 0 turns the
+    check off. Runs with engine.kind = "local" without [placement] and the torch backend."""
 
     @model_validator(mode="after")
     def _replay_into_backend(self) -> TrainerSection:

@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from palaestra.trainers.batching import TrainBatch
     from palaestra.run.elastic import AdminServer, ElasticEngines
     from palaestra.run.colocate import ColocatedPhases
+    from palaestra.run.parity import ParityCheck
     from palaestra.trainers.ppo.step import PPOStepResult
     from palaestra.trainers.torch_backend.backend import TorchBackend
     from palaestra.types import Sample
@@ -220,6 +221,7 @@ class RLRun:
         self._engine_seen: dict[str, float] = {}  # engine stats at the last step's end
         self.teacher: TorchBackend | None = None  # [distill]: the backend holding the teacher
         self._distill: dict[str, float] = {}  # this step's distill/* metrics
+        self.parity: ParityCheck | None = None  # the full-vocabulary parity check (run/parity)
 
     @classmethod
     async def setup(cls, cfg: TrainConfig, run: RunDir, policy_path: Path, spec: AgentSpec,
@@ -269,6 +271,9 @@ class RLRun:
         rl = cls(cfg, run, policy_path, spec, engine, sync, backend=backend, critic=critic,
                  manager=manager, rewards=rewards, server=server)
         rl.teacher = _load_teacher(cfg, backend)
+        from palaestra.run.parity import ParityCheck
+
+        rl.parity = ParityCheck.build(cfg, engine, backend)
         return rl
 
     async def resume(self) -> int:
@@ -328,6 +333,8 @@ class RLRun:
             await elastic.apply_joins(self.backend, version=step, step=step)
         t0 = time.perf_counter()
         batch = await self.manager.generate_batch(step)
+        # rollout/full_vocab_*: both sides still hold the weights that sampled the batch
+        parity = await self.parity.step(batch.samples, step) if self.parity is not None else {}
         t1 = time.perf_counter()
         if self.colocated is not None:  # the engine frees the GPU, the trainer comes back
             await self.colocated.to_train()
@@ -349,6 +356,7 @@ class RLRun:
                               warmup_steps=cfg.warmup.steps)
         record.update(self.sync.metrics())
         record.update(mismatch)  # rollout/logprob_{max,mean}_abs_diff
+        record.update(parity)  # rollout/full_vocab_{logprob_max_abs_diff,tv,...}
         record.update(self._distill)  # distill/reverse_kl (with a teacher)
         if self.colocated is not None:  # memory/{rollout,train}_gib, memory/offloaded_gib
             record.update(self.colocated.metrics())

@@ -5,7 +5,9 @@ In bitwise mode the embedded engine and the torch backend run the same batch-inv
 the engine reported (``rollout/logprob_max_abs_diff == 0.0`` every step). That holds only where
 both forwards are ours and read the same numbers: `on_policy_problems` refuses, before any work,
 the settings where they would not be (SGLang or launched servers, Ray engine actors, Megatron,
-LoRA, MoE, a trainer dtype other than the engine's, top-p filtering, different devices).
+LoRA dropout, MoE, a trainer dtype other than the engine's, top-p filtering, different devices).
+A LoRA adapter is merged into the weights the same way on both sides
+(`palaestra.engines.local.lora.merged_weight`).
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ def on_policy_problems(cfg: TrainConfig) -> list[Problem]:
         refuse("trainer.backend", "runs on the torch backend (Megatron's kernels are not the "
                "engine's): set --trainer.backend torch")
     torch_cfg = cfg.trainer.torch
-    if torch_cfg.lora is not None:
-        refuse("trainer.torch.lora", "LoRA adapters are not covered; train the full weights")
+    if torch_cfg.lora is not None and torch_cfg.lora.dropout > 0:
+        refuse("trainer.torch.lora.dropout", "the adapter is merged into the weights on both "
+               "sides, where dropout cannot apply: set trainer.torch.lora.dropout = 0")
     if torch_cfg.dtype != "auto":
         refuse("trainer.torch.dtype", "the trainer computes in the engine's dtype (float32 on "
                "CPU, bfloat16 on CUDA): leave trainer.torch.dtype = 'auto'")

@@ -33,9 +33,12 @@ from palaestra.engines.local.scheduler import Scheduler
 from palaestra.engines.local.slots import KVSlots, new_slot_cache
 
 if TYPE_CHECKING:
+    import torch
+
     from palaestra.contracts import Tokenizer
     from palaestra.engines.local.kv_cache import SlotKVCache
     from palaestra.engines.local.model import Decoder
+    from palaestra.engines.local.parity import FullLogprobsRequest
 
 
 class LocalEngine:
@@ -283,6 +286,22 @@ class LocalEngine:
         s = self._scheduler
         s.version = s.version + 1 if version is None else int(version)
 
+    async def full_logprobs(self, request: FullLogprobsRequest) -> torch.Tensor:
+        """The full next-token log-distributions (float32 ``[positions, V]``, on the CPU) of a
+        sequence at the request's positions, from this engine's forward and sampler
+        (`palaestra.engines.local.parity`): in bitwise mode the bits it sampled from. Runs
+        between two steps with the current weights."""
+        from palaestra.engines.local.parity import full_logprobs
+
+        request.check(self.max_model_len)
+
+        def run() -> torch.Tensor:
+            return full_logprobs(self.decoder, request, invariant=self._sampler.invariant).cpu()
+
+        async with self._scheduler.between_steps():
+            out: torch.Tensor = await self._runner.compute(run)
+            return out
+
     # ------------------------------------------------------------------------ LoRA adapters
     @property
     def lora_adapters(self) -> list[str]:
@@ -299,10 +318,14 @@ class LocalEngine:
 
         if (path is None) == (adapter is None):
             raise EngineError("load_lora_adapter takes exactly one of path or adapter")
-        if self.bitwise:
-            raise EngineError("this engine runs in bitwise on-policy mode, which serves no LoRA "
-                              "adapters: merge the adapter into the weights, or start the "
-                              "engine without bitwise")
+        if self.bitwise and not (default and self.lora_mode == "merged"):
+            # the batch-invariant forward reads the fused weights: an adapter must be merged
+            # into them (`lora.merged_weight`, as the trainer's bitwise forward merges it)
+            raise EngineError("this engine runs in bitwise on-policy mode, which serves one "
+                              "LoRA adapter, the default one, merged into the weights "
+                              "(load_lora_adapter(..., default=True) with lora_mode = "
+                              "'merged'); named or low-rank adapters need an engine without "
+                              "bitwise")
         parsed = adapter if adapter is not None else await asyncio.to_thread(
             LoraAdapter.from_folder, name, str(path))
         parsed.name = name

@@ -48,6 +48,24 @@ def _layout(decoder: Any) -> dict[str, list[tuple[str, int, int]]]:
             "down": [("down_proj", 0, h)]}
 
 
+def merged_weight(base: torch.Tensor, a: torch.Tensor, b_scaled: torch.Tensor, *,
+                  invariant: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``W_base + B A`` in ``dtype`` (default: the base's), summed in float32: ``a [r, in]``,
+    ``b_scaled [out, r]`` (the scale folded in). ``invariant``: ``B A`` by the batch-invariant
+    GEMM (`palaestra.engines.local.invariant.linear`), as bitwise on-policy mode needs: the
+    engine merging an adapter and the torch trainer building its fused weights
+    (`palaestra.trainers.torch_backend.bitwise`) call this one function on the same float32
+    matrices, so the merged weights have the same bits on both sides (and autograd runs
+    through it on the trainer's)."""
+    if invariant:
+        from palaestra.engines.local.invariant import linear
+
+        delta = linear(b_scaled, a.t())
+    else:
+        delta = b_scaled @ a
+    return (base.float() + delta).to(dtype or base.dtype)
+
+
 @dataclass
 class LoraAdapter:
     """One adapter: ``modules`` maps a module's Hugging Face name (``model.layers.0.self_attn
@@ -264,8 +282,8 @@ class LoraRuntime:
             for module, (a, b) in adapter.modules.items():
                 view = self.decoder.weight(module + ".weight")
                 base = self._base.setdefault(module, view.detach().clone())
-                delta = (b.to(view.device) @ a.to(view.device))
-                view.copy_((base.float() + delta).to(view.dtype))
+                view.copy_(merged_weight(base, a.to(view.device), b.to(view.device),
+                                         invariant=self.decoder.bitwise))
         self._merged = adapter_id
 
     def _unmerge(self) -> None:
@@ -330,4 +348,4 @@ class LoraRuntime:
         return y
 
 
-__all__ = ["LORA_MODES", "LoraAdapter", "LoraRuntime"]
+__all__ = ["LORA_MODES", "LoraAdapter", "LoraRuntime", "merged_weight"]

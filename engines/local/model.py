@@ -410,13 +410,14 @@ class Decoder:
     def enable_bitwise(self) -> None:
         """Run every forward batch-invariantly (`bitwise_forward`): a token's logits then have
         the same bits in any batch, and the same as the torch trainer's bitwise forward.
-        Dense Llama-family layers without served adapters only."""
+        Dense Llama-family layers; a LoRA adapter only as the default one, merged into the
+        weights once bitwise is on (`LocalEngine.load_lora_adapter`)."""
         if type(self) is not Decoder or self.config.moe is not None:
             raise EngineError(f"bitwise on-policy mode covers dense Llama-family models, not "
                               f"{self.config.model_type}: use trainer.on_policy = 'default'")
         if self.lora is not None:
-            raise EngineError("bitwise on-policy mode does not serve LoRA adapters: merge them "
-                              "(lora_mode = 'merged') or use trainer.on_policy = 'default'")
+            raise EngineError("turn bitwise on-policy mode on before loading LoRA adapters "
+                              "(a merged one is then merged the way the trainer merges it)")
         if self.device.type == "cuda":
             from palaestra.engines.local.invariant_triton import available
 
@@ -617,8 +618,10 @@ class Decoder:
             cache.write(batch.slot_ids, positions, self.last_routes)
         return self._logits(h[batch.last_index])
 
-    def prefill_full(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of every position of one sequence without any cache (tests, scoring) [T, V]."""
+    def prefill_full(self, tokens: torch.Tensor, rows: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+        """Logits of every position of one sequence without any cache (tests, scoring) [T, V];
+        ``rows``: of those positions only ``[len(rows), V]`` (the output layer runs on them)."""
         import torch
         import torch.nn.functional as F
 
@@ -628,7 +631,7 @@ class Decoder:
 
             zeros = torch.zeros(n, dtype=torch.long, device=tokens.device)
             return self._bitwise_logits(tokens, zeros, torch.arange(n, device=tokens.device),
-                                        PackedStore(1, n))
+                                        PackedStore(1, n), rows)
         c = self.config
         positions = torch.arange(n, device=tokens.device)
         cos = self.cos[positions].unsqueeze(1)
@@ -644,7 +647,7 @@ class Decoder:
             if self.lora is not None:
                 h = self.lora.add(layer, "o", attn, h)
             h = self._mlp_residual(layer, h)
-        return self._logits(h)
+        return self._logits(h if rows is None else h[rows])
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

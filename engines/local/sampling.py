@@ -39,6 +39,22 @@ def token_logprobs(
     return logp.gather(-1, token_ids.long().unsqueeze(-1)).squeeze(-1)
 
 
+def sampling_log_probs(logits: torch.Tensor, temperatures: torch.Tensor, *, invariant: bool
+                       ) -> torch.Tensor:
+    """The full distribution each row of float32 ``logits [B, V]`` samples from, as
+    ``log_softmax(logits / T)`` with ``temperatures [B]`` (1 for greedy rows): the batch-invariant
+    log-softmax in bitwise mode (``invariant``), torch's otherwise. `RowSampler.sample` and the
+    engine's full-vocabulary parity request (`palaestra.engines.local.parity`) both call it, so
+    the distribution a parity check reads is the one sampling drew from."""
+    import torch
+
+    if invariant:
+        from palaestra.engines.local.invariant import divide_by_temperature, log_softmax
+
+        return log_softmax(divide_by_temperature(logits, temperatures))
+    return torch.log_softmax(logits / temperatures[:, None].to(logits.dtype), dim=-1)
+
+
 class RowSampler:
     """What sampling a batch needs, built once per batch and reused for every decode step.
 
@@ -126,12 +142,7 @@ class RowSampler:
             # logit - logsumexp: one read of the logits, no [B, V] log_softmax written
             logp = logits.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
             return tokens, logp
-        if self.invariant:
-            from palaestra.engines.local.invariant import divide_by_temperature
-
-            logp_all = invariant_log_softmax(divide_by_temperature(logits, self.temps))
-        else:
-            logp_all = torch.log_softmax(logits / self.temps[:, None].to(logits.dtype), dim=-1)
+        logp_all = sampling_log_probs(logits, self.temps, invariant=self.invariant)
         probs = logp_all.exp()
         assert uniforms is not None, "uniforms are required when a row samples"
         u = uniforms.to(device=logits.device, dtype=logits.dtype)
@@ -174,4 +185,4 @@ def sample_rows(
                       logits.dtype).sample(logits, uniforms)
 
 
-__all__ = ["RowSampler", "sample_rows", "token_logprobs"]
+__all__ = ["RowSampler", "sample_rows", "sampling_log_probs", "token_logprobs"]

@@ -170,9 +170,12 @@ class TorchBackend:
             raise ConfigError("trainer.torch.lora runs on one process here (FSDP2 with a peft "
                               "model is not supported yet): drop torchrun or the lora section")
         bitwise = self.config.on_policy == "bitwise"
-        if bitwise and (self.fsdp or self.lora is not None or self.config.critic):
-            raise ConfigError("on_policy = 'bitwise' runs one unsharded, fully trained policy "
-                              "(no FSDP ranks, LoRA adapter or critic): use 'default'")
+        if bitwise and (self.fsdp or self.config.critic):
+            raise ConfigError("on_policy = 'bitwise' runs one unsharded policy (no FSDP ranks "
+                              "or critic): use 'default'")
+        if bitwise and self.lora is not None and self.lora.dropout > 0:
+            raise ConfigError("on_policy = 'bitwise' merges the LoRA adapter into the weights, "
+                              "where dropout cannot apply: set lora.dropout = 0")
         self.kernels = "torch"  # "liger" once Liger's kernels are patched into the policy
         self.model = self._load_model(self.model_path, trainable=True)
         self.bitwise: BitwiseForward | None = None  # the policy's forward in bitwise mode
@@ -412,6 +415,16 @@ class TorchBackend:
         if self.config.critic and not ref:
             raise ConfigError("this backend is a critic; use forward_values()")
         return self._forward_all(batch, ref=ref, with_entropy=False)[0]
+
+    def full_logprobs(self, token_ids: Sequence[Sequence[int]],
+                      positions: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The policy's full next-token log-distributions at ``positions[i]`` of sequence
+        ``token_ids[i]`` (position t: token t given the ones before it), float32
+        ``[sum of positions, V]`` on the CPU, at ``logits_temperature``, from this backend's
+        forward (`palaestra.trainers.torch_backend.parity`)."""
+        from palaestra.trainers.torch_backend.parity import full_logprobs
+
+        return full_logprobs(self, token_ids, positions)
 
     def load_teacher(self, path: str | Path) -> None:
         """Load the frozen teacher of on-policy distillation (a Hugging Face folder with the
