@@ -132,6 +132,7 @@ class WorkerPool:
         address: str | None = None,
         num_cpus: float = 1.0,
         engine: Engine | None = None,
+        start_timeout_s: float = 60.0,
     ) -> None:
         if cluster not in CLUSTERS:
             raise ConfigError(f"cluster must be one of {CLUSTERS}, got {cluster!r}")
@@ -149,6 +150,7 @@ class WorkerPool:
         self.address = address
         self.num_cpus = num_cpus
         self.engine = engine
+        self.start_timeout_s = start_timeout_s
         self.handles: list[WorkerClient] = []
         self._started_ray = False
 
@@ -160,10 +162,36 @@ class WorkerPool:
                 WorkerClient(i, local=RolloutWorker(self.worker_config, i, self.engine))
                 for i in range(self.num_workers)
             ]
+            await asyncio.gather(*(h.warmup() for h in self.handles))
         else:
             self.handles = self._start_ray()
-        await asyncio.gather(*(h.warmup() for h in self.handles))
+            await self._warmup_actors()
         return self.handles
+
+    async def _warmup_actors(self) -> None:
+        """Every actor's first call, within ``start_timeout_s``: an actor Ray cannot place
+        waits forever (``PENDING_CREATION``), so one still silent then fails the pool with the
+        numbers (the actors stopped) instead of hanging the run."""
+        calls = [asyncio.ensure_future(h.warmup()) for h in self.handles]
+        _, late = await asyncio.wait(calls, timeout=self.start_timeout_s)
+        if not late:
+            for call in calls:
+                call.result()  # a worker that failed to start raises here
+            return
+        from palaestra.ray_capacity import actor_states, cluster_view
+
+        silent = [h for h, call in zip(self.handles, calls, strict=True) if call in late]
+        for call in late:
+            call.cancel()
+        states = sorted(set(actor_states([h.actor for h in silent])))
+        cpus = cluster_view().describe("CPU")
+        self._kill_actors()  # not close(): a call on a pending actor would wait for it
+        raise ConfigError(
+            f"{len(silent)} of {len(calls)} rollout workers ({self.num_cpus:g} CPU each) did not "
+            f"start within {self.start_timeout_s:g} s (Ray: {', '.join(states)}); the cluster "
+            f"has {cpus} with this run's placed actors: lower --rollout.num_workers or "
+            "--rollout.worker_num_cpus, add nodes, or raise --rollout.start_timeout_s if the "
+            "workers are only slow to start")
 
     def _start_ray(self) -> list[WorkerClient]:
         try:
@@ -179,6 +207,18 @@ class WorkerPool:
             WorkerClient(i, actor=actor_cls.remote(self.worker_config, i))
             for i in range(self.num_workers)
         ]
+
+    def _kill_actors(self) -> None:
+        import ray
+
+        handles, self.handles = self.handles, []
+        for h in handles:
+            try:
+                ray.kill(h.actor)
+            except (ray.exceptions.RayError, ValueError):
+                pass  # dead already
+        if self._started_ray:
+            ray.shutdown()
 
     async def configure(self, worker_config: WorkerConfig) -> None:
         """Give every worker a new config (stops whatever they were running)."""

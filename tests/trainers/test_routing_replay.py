@@ -120,8 +120,7 @@ def test_router_still_learns_under_replay(moe_dir: Path) -> None:
 
 #: the near-tied MoE's expert weights: 5x the initialiser's 0.02, so that a token routed to
 #: another expert moves the next logprob 55-115x more than bf16 rounding does (five seeds of
-#: this fixture, 2026-12-04, with
-#: torch's AVX-512 and AVX2 kernels alike)
+#: this fixture, 2026-12-04, with torch's AVX-512 and AVX2 kernels alike)
 EXPERT_STD = 0.1
 
 
