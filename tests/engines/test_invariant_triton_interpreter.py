@@ -24,6 +24,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.numerics  # the invariant kernels under Triton's interpreter
+
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 SCRIPT = textwrap.dedent(

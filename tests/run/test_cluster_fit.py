@@ -39,9 +39,9 @@ def test_the_asks_of_two_trainer_ranks_and_four_ray_workers() -> None:
 
 def test_six_cpus_asked_of_four_names_every_number_and_the_fix() -> None:
     asks = [Ask("trainer ranks", 2, 1.0, bundled=True), Ask("rollout workers", 4, 1.0)]
-    assert shortfalls(asks, TWO_BY_TWO) == [
+    assert shortfalls(asks, TWO_BY_TWO) == [(
         "needs 6 CPUs: 2 trainer ranks x 1 (placement group bundles) + 4 rollout workers x 1; "
-        "the cluster has 4 CPUs (2 nodes: 2 + 2), 4 free"]
+        "the cluster has 4 CPUs (2 nodes: 2 + 2), 4 free")]
     assert remedies(asks, TWO_BY_TWO).startswith("lower --rollout.num_workers to 2, or ")
     # what fits is not refused; CPUs taken by others are (free, not total, is what counts)
     assert shortfalls([asks[0], Ask("rollout workers", 2, 1.0)], TWO_BY_TWO) == []
@@ -52,8 +52,8 @@ def test_six_cpus_asked_of_four_names_every_number_and_the_fix() -> None:
 
 def test_a_request_larger_than_every_node_is_refused_even_when_the_total_fits() -> None:
     problems = shortfalls([Ask("trainer ranks", 1, 3.0, bundled=True)], TWO_BY_TWO)
-    assert problems == ["one of the trainer ranks asks 3 CPUs but the largest node has 2 (a "
-                        "request is placed on one node)"]
+    assert problems == [("one of the trainer ranks asks 3 CPUs but the largest node has 2 (a "
+                         "request is placed on one node)")]
     gpus = shortfalls([Ask("engine bundles", 2, 1.0, 1.0, bundled=True)], TWO_BY_TWO)
     assert gpus[0].startswith("needs 2 GPUs: 2 engine bundles x 1")
 

@@ -20,6 +20,8 @@ from palaestra.trainers.batching import TrainBatch
 from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
 from palaestra.types import Sample
 
+pytestmark = pytest.mark.numerics  # bf16 routing flips and replayed logprobs
+
 NUM_EXPERTS = 6
 
 
