@@ -13,6 +13,7 @@ batch of groups and results. A pool outlives a manager: `configure` gives its wo
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -171,19 +172,25 @@ class WorkerPool:
     async def _warmup_actors(self) -> None:
         """Every actor's first call, within ``start_timeout_s``: an actor Ray cannot place
         waits forever (``PENDING_CREATION``), so one still silent then fails the pool with the
-        numbers (the actors stopped) instead of hanging the run."""
+        numbers (the actors stopped) instead of hanging the run. Actors Ray placed (``ALIVE``)
+        that are only slow to answer are waited for, with a line that says so."""
+        from palaestra.ray_capacity import actor_states, cluster_view
+
         calls = [asyncio.ensure_future(h.warmup()) for h in self.handles]
         _, late = await asyncio.wait(calls, timeout=self.start_timeout_s)
+        silent = [h for h, call in zip(self.handles, calls, strict=True) if call in late]
+        states = sorted(set(actor_states([h.actor for h in silent])))
+        if silent and states == ["ALIVE"]:  # placed, only slow to start: wait, and say so
+            print(f"[rollout] {len(silent)} rollout workers placed but still starting after "
+                  f"{self.start_timeout_s:g} s; waiting for them", flush=True)
+            await asyncio.wait(late)
+            late, silent = set(), []
         if not late:
             for call in calls:
                 call.result()  # a worker that failed to start raises here
             return
-        from palaestra.ray_capacity import actor_states, cluster_view
-
-        silent = [h for h, call in zip(self.handles, calls, strict=True) if call in late]
         for call in late:
             call.cancel()
-        states = sorted(set(actor_states([h.actor for h in silent])))
         cpus = cluster_view().describe("CPU")
         self._kill_actors()  # not close(): a call on a pending actor would wait for it
         raise ConfigError(
@@ -201,7 +208,11 @@ class WorkerPool:
         if not ray.is_initialized():
             # no address and no RAY_ADDRESS (set by `ray job submit`): start a local cluster
             self._started_ray = self.address is None and not os.environ.get("RAY_ADDRESS")
-            ray.init(address=self.address, include_dashboard=False)
+            kwargs: dict[str, Any] = {"include_dashboard": False}
+            if self._started_ray:  # logical CPUs for every worker (Ray's default: the cores)
+                need = math.ceil(self.num_workers * self.num_cpus)
+                kwargs["num_cpus"] = max(os.cpu_count() or 1, need)
+            ray.init(address=self.address, **kwargs)
         actor_cls = ray.remote(num_cpus=self.num_cpus)(RolloutWorker)
         return [
             WorkerClient(i, actor=actor_cls.remote(self.worker_config, i))
