@@ -10,8 +10,8 @@ before the warm start, the evaluations or any rank starts. A Ray actor that cann
 waits forever (``PENDING_CREATION``) rather than failing; this check, and the start timeouts of
 the worker pool and the placement groups (``rollout.start_timeout_s``), make it an error.
 
-A run that starts its own local Ray cluster sizes it itself and is not checked here (the start
-timeouts still apply). Torch-free; Ray is imported only to read the cluster.
+A run that starts its own local Ray cluster sizes it for its actors and is not checked here
+(the start timeouts still apply). Torch-free; Ray is imported only to read the cluster.
 """
 
 from __future__ import annotations

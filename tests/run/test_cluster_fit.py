@@ -37,6 +37,25 @@ def test_the_asks_of_two_trainer_ranks_and_four_ray_workers() -> None:
     assert run_asks(load_config(TrainConfig, DP2, ["--placement.trainer_ranks", "1"])) == []
 
 
+def test_the_asks_of_engine_actors_and_a_reward_actor() -> None:
+    from palaestra.config import read_toml, validate
+
+    ray = ["--rollout.cluster", "ray"]
+    engines = run_asks(load_config(TrainConfig, DP2, [*ray, "--placement.engines", "2",
+                                                      "--placement.cpus_per_engine", "1.5"]))
+    assert Ask("engine bundles", 2, 1.5, 0.0, bundled=True) in engines
+    # colocated engines sit in the trainer ranks' bundles: counted once, in those bundles
+    shared = run_asks(load_config(TrainConfig, DP2, [*ray, "--placement.engines", "2",
+                                                     "--placement.colocate", "true"]))
+    assert shared == [Ask("trainer ranks", 2, 2.0, 0.0, bundled=True),
+                      Ask("rollout workers", 1, 1.0)]
+    data = read_toml(DP2)
+    data["rollout"]["cluster"] = "ray"
+    data["rewards"] = [{"kind": "env", "weight": 0.5}]  # scored by a reward actor
+    data["reward_worker"] = {"num_cpus": 0.5}
+    assert run_asks(validate(TrainConfig, data))[-1] == Ask("reward workers", 1, 0.5, 0.0)
+
+
 def test_six_cpus_asked_of_four_names_every_number_and_the_fix() -> None:
     asks = [Ask("trainer ranks", 2, 1.0, bundled=True), Ask("rollout workers", 4, 1.0)]
     assert shortfalls(asks, TWO_BY_TWO) == [(
