@@ -13,6 +13,7 @@ batch of groups and results. A pool outlives a manager: `configure` gives its wo
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -132,6 +133,7 @@ class WorkerPool:
         address: str | None = None,
         num_cpus: float = 1.0,
         engine: Engine | None = None,
+        start_timeout_s: float = 60.0,
     ) -> None:
         if cluster not in CLUSTERS:
             raise ConfigError(f"cluster must be one of {CLUSTERS}, got {cluster!r}")
@@ -149,6 +151,7 @@ class WorkerPool:
         self.address = address
         self.num_cpus = num_cpus
         self.engine = engine
+        self.start_timeout_s = start_timeout_s
         self.handles: list[WorkerClient] = []
         self._started_ray = False
 
@@ -160,10 +163,42 @@ class WorkerPool:
                 WorkerClient(i, local=RolloutWorker(self.worker_config, i, self.engine))
                 for i in range(self.num_workers)
             ]
+            await asyncio.gather(*(h.warmup() for h in self.handles))
         else:
             self.handles = self._start_ray()
-        await asyncio.gather(*(h.warmup() for h in self.handles))
+            await self._warmup_actors()
         return self.handles
+
+    async def _warmup_actors(self) -> None:
+        """Every actor's first call, within ``start_timeout_s``: an actor Ray cannot place
+        waits forever (``PENDING_CREATION``), so one still silent then fails the pool with the
+        numbers (the actors stopped) instead of hanging the run. Actors Ray placed (``ALIVE``)
+        that are only slow to answer are waited for, with a line that says so."""
+        from palaestra.ray_capacity import actor_states, cluster_view
+
+        calls = [asyncio.ensure_future(h.warmup()) for h in self.handles]
+        _, late = await asyncio.wait(calls, timeout=self.start_timeout_s)
+        silent = [h for h, call in zip(self.handles, calls, strict=True) if call in late]
+        states = sorted(set(actor_states([h.actor for h in silent])))
+        if silent and states == ["ALIVE"]:  # placed, only slow to start: wait, and say so
+            print(f"[rollout] {len(silent)} rollout workers placed but still starting after "
+                  f"{self.start_timeout_s:g} s; waiting for them", flush=True)
+            await asyncio.wait(late)
+            late, silent = set(), []
+        if not late:
+            for call in calls:
+                call.result()  # a worker that failed to start raises here
+            return
+        for call in late:
+            call.cancel()
+        cpus = cluster_view().describe("CPU")
+        self._kill_actors()  # not close(): a call on a pending actor would wait for it
+        raise ConfigError(
+            f"{len(silent)} of {len(calls)} rollout workers ({self.num_cpus:g} CPU each) did not "
+            f"start within {self.start_timeout_s:g} s (Ray: {', '.join(states)}); the cluster "
+            f"has {cpus} with this run's placed actors: lower --rollout.num_workers or "
+            "--rollout.worker_num_cpus, add nodes, or raise --rollout.start_timeout_s if the "
+            "workers are only slow to start")
 
     def _start_ray(self) -> list[WorkerClient]:
         try:
@@ -173,12 +208,28 @@ class WorkerPool:
         if not ray.is_initialized():
             # no address and no RAY_ADDRESS (set by `ray job submit`): start a local cluster
             self._started_ray = self.address is None and not os.environ.get("RAY_ADDRESS")
-            ray.init(address=self.address, include_dashboard=False)
+            kwargs: dict[str, Any] = {"include_dashboard": False}
+            if self._started_ray:  # logical CPUs for every worker (Ray's default: the cores)
+                need = math.ceil(self.num_workers * self.num_cpus)
+                kwargs["num_cpus"] = max(os.cpu_count() or 1, need)
+            ray.init(address=self.address, **kwargs)
         actor_cls = ray.remote(num_cpus=self.num_cpus)(RolloutWorker)
         return [
             WorkerClient(i, actor=actor_cls.remote(self.worker_config, i))
             for i in range(self.num_workers)
         ]
+
+    def _kill_actors(self) -> None:
+        import ray
+
+        handles, self.handles = self.handles, []
+        for h in handles:
+            try:
+                ray.kill(h.actor)
+            except (ray.exceptions.RayError, ValueError):
+                pass  # dead already
+        if self._started_ray:
+            ray.shutdown()
 
     async def configure(self, worker_config: WorkerConfig) -> None:
         """Give every worker a new config (stops whatever they were running)."""

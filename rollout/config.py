@@ -134,6 +134,10 @@ class RolloutConfig(Section, metaclass=_ConfigErrorOnCall):
     """Rollout workers."""
     worker_num_cpus: float = Field(1.0, gt=0.0)
     """CPUs Ray reserves for each rollout worker actor."""
+    start_timeout_s: float = Field(60.0, gt=0.0)
+    """Seconds the run's Ray actors (rollout workers) and placement groups (trainer ranks) may
+    take to start; one still pending then (the cluster has no room for it) fails the run with
+    what it asked and what the cluster has, instead of waiting forever."""
     max_concurrency: int = Field(256, ge=1)
     """Episodes in flight over all workers."""
     mode: Literal["sync", "async"] = "sync"

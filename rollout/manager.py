@@ -144,6 +144,7 @@ class RolloutManager:
             address=address or self.config.ray_address,
             num_cpus=self.config.worker_num_cpus,
             engine=engine,
+            start_timeout_s=self.config.start_timeout_s,
         )
         self._started = False
         self._polls: dict[int, asyncio.Future[list[GroupResult]]] = {}

@@ -104,10 +104,12 @@ def backend_config(torch_cfg: TorchBackendConfig, *, temperature: float, seed: i
 
 def build_backend(trainer: TrainerSection, policy_path: Path, *, temperature: float, seed: int,
                   group: RunPlan | None = None, ray_address: str | None = None,
-                  placement_group: Any = None) -> TrainerBackend[TrainBatch, LossConfig]:
+                  placement_group: Any = None, ready_timeout_s: float = 300.0
+                  ) -> TrainerBackend[TrainBatch, LossConfig]:
     """The RL training backend: the PyTorch one, Megatron-core on CUDA machines, or (``group``:
     the plan of ``[placement]`` with several trainer ranks) PyTorch ranks as Ray actors
-    (``placement_group``: in the one the colocated engine actors reserved for both)."""
+    (``placement_group``: in the one the colocated engine actors reserved for both; a group
+    not placed within ``ready_timeout_s`` fails the run with what the cluster has)."""
     if trainer.backend == "megatron":
         if group is not None:  # Megatron ranks as Ray actors (tp/ep from trainer.megatron)
             from palaestra.trainers.group.group import TrainerGroup
@@ -115,7 +117,7 @@ def build_backend(trainer: TrainerSection, policy_path: Path, *, temperature: fl
             return TrainerGroup(policy_path, megatron_config(
                 trainer.megatron, seed=seed, steps=trainer.steps,
                 logits_temperature=temperature), group, address=ray_address,
-                placement_group=placement_group).start()
+                placement_group=placement_group, ready_timeout_s=ready_timeout_s).start()
         return megatron_backend(trainer.megatron, policy_path, seed=seed, steps=trainer.steps,
                                 logits_temperature=temperature)
     torch_cfg = backend_config(trainer.torch, temperature=temperature, seed=seed,
@@ -124,7 +126,8 @@ def build_backend(trainer: TrainerSection, policy_path: Path, *, temperature: fl
         from palaestra.trainers.group.group import TrainerGroup
 
         return TrainerGroup(policy_path, torch_cfg, group, address=ray_address,
-                            placement_group=placement_group).start()
+                            placement_group=placement_group,
+                            ready_timeout_s=ready_timeout_s).start()
     from palaestra.trainers.torch_backend import TorchBackend
 
     return TorchBackend(policy_path, torch_cfg)

@@ -235,7 +235,8 @@ class RLRun:
         backend = build_backend(cfg.trainer, policy_path, temperature=r.temperature,
                                 seed=cfg.seed, group=_trainer_group(cfg),
                                 ray_address=r.ray_address,
-                                placement_group=trainer_placement_group(engine))
+                                placement_group=trainer_placement_group(engine),
+                                ready_timeout_s=r.start_timeout_s)
         critic = _build_critic(cfg, policy_path)  # PPO's value model (GAE advantages), else None
         data = DataSource(_train_rows(cfg), env_id=cfg.env.id, shuffle=cfg.data.shuffle,
                           seed=cfg.data.seed, epochs=cfg.data.epochs)
@@ -684,6 +685,9 @@ async def train_async(cfg: TrainConfig) -> dict[str, Any]:
     settings differ from ``cfg``.
     """
     check_run_dir(cfg)
+    from palaestra.run.cluster_fit import check_cluster_fit
+
+    check_cluster_fit(cfg)  # actors an existing Ray cluster cannot place: refused before work
     run = RunDir(cfg.out, tensorboard=cfg.logging.tensorboard)
     phases = _Phases()
     token = _CURRENT_PHASES.set(phases)

@@ -33,8 +33,9 @@ Triton is optional: the module imports without it, and `available` says whether 
 run (CUDA and an importable Triton); the CPU path lives in
 ``palaestra.engines.local.invariant``. The kernels also run on CPU tensors in Triton's
 interpreter (``TRITON_INTERPRET=1`` set before Triton is imported), which the tests use; the
-interpreter's dot is numpy's float32 matmul of the same fixed tiles, so the invariance checks
-hold there too, but only a GPU run shows the CUDA kernels' bits.
+interpreter's dot is numpy's float32 matmul of the same fixed tiles, whose rounding is the host
+BLAS's (it varies with the CPU and with a row's place in the tile), so on CPU the tests check the
+tiling on data whose sums are exact, and only a GPU run shows the CUDA kernels' bits.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 
 from palaestra.engines.local import invariant as inv
 
+pytestmark = pytest.mark.numerics  # bit-level invariance of the CPU engine and trainer paths
+
 
 @pytest.fixture
 def threads():

@@ -17,6 +17,8 @@ from palaestra.engines.local.local import LocalEngine
 from palaestra.engines.local.model import Decoder
 from palaestra.engines.local.moe import NO_EXPERT, MoEConfig
 
+pytestmark = pytest.mark.numerics  # MoE engine logprobs against the HF forward
+
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
 

@@ -5,9 +5,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
 from palaestra.config import load_config
 from palaestra.run.config import TrainConfig
 from tests.run.test_loop import _grpo_on_long_env, _read, _write_config, micro_model, yes_env
+
+pytestmark = pytest.mark.numerics  # engine vs trainer logprob mismatch metrics
 
 __all__ = ["micro_model", "yes_env"]  # the fixtures, imported for pytest
 

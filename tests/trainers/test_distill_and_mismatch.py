@@ -14,6 +14,8 @@ from palaestra.trainers.torch_backend.backend import TorchBackend
 from palaestra.trainers.torch_backend.config import TorchBackendConfig
 from tests.trainers.test_torch_backend import make_batch, model_dir
 
+pytestmark = pytest.mark.numerics  # distillation and mismatch corrections on logprobs
+
 __all__ = ["model_dir"]  # the fixture, imported for pytest
 
 

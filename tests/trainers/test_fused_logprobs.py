@@ -32,6 +32,8 @@ from palaestra.trainers.torch_backend.kernels import (
 )
 from palaestra.trainers.torch_backend.logprobs import shifted_token_logprobs, token_logprobs
 
+pytestmark = pytest.mark.numerics  # fused logprob kernels against the plain formula
+
 torch.set_num_threads(1)
 
 

@@ -18,6 +18,8 @@ from palaestra.trainers.torch_backend.backend import TorchBackend
 from palaestra.trainers.torch_backend.config import TorchBackendConfig
 from tests.trainers.test_torch_backend import make_batch, tiny_qwen3
 
+pytestmark = pytest.mark.numerics  # packed (varlen) attention against padded rows
+
 torch.set_num_threads(1)
 
 

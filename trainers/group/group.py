@@ -104,10 +104,15 @@ class TrainerGroup:
         try:
             ray.get(self.placement_group.ready(), timeout=self.ready_timeout_s)
         except ray.exceptions.GetTimeoutError:
+            from palaestra.ray_capacity import cluster_view
+
+            view = cluster_view()
             raise ConfigError(
                 f"the Ray cluster could not place the trainer bundles {bundles} with strategy "
-                f"{self.plan.strategy} within {self.ready_timeout_s:.0f} s (ray status shows "
-                "what is free)") from None
+                f"{self.plan.strategy} within {self.ready_timeout_s:.0f} s: it has "
+                f"{view.describe('CPU')} and {view.describe('GPU')} (ray status shows what "
+                "holds them); lower placement.trainer_ranks or placement.cpus_per_rank, free "
+                "or add nodes, or raise rollout.start_timeout_s") from None
         from palaestra.trainers.group.actor import TrainerRank
 
         for rank, (bundle, index) in enumerate(zip(bundles, indices, strict=True)):
