@@ -72,6 +72,7 @@ class SGLangClient:
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
         self._rids: dict[str, str] = {}  # caller's request id -> rid of the attempt in flight
+        self._legacy_info = False  # the server knows /get_model_info, not /model_info
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
@@ -328,13 +329,27 @@ class SGLangClient:
                            {"tags": list(tags) if tags else None})
 
     async def get_model_info(self) -> dict[str, Any]:
-        out = await self.request("GET", "/get_model_info")
+        out = await self._info("model_info")
         if isinstance(out, dict):
             self._version = _version_of(out.get("weight_version"), self._version)
         return out  # type: ignore[no-any-return]
 
     async def get_server_info(self) -> dict[str, Any]:
-        return await self.request("GET", "/get_server_info")  # type: ignore[no-any-return]
+        return await self._info("server_info")  # type: ignore[no-any-return]
+
+    async def _info(self, name: str) -> Any:
+        """``GET /<name>`` (current SGLang's name; its ``/get_<name>`` is deprecated there), or
+        ``/get_<name>`` from a server that answers 404 to it (SGLang before the rename)."""
+        if not self._legacy_info:
+            try:
+                return await self.request("GET", f"/{name}")
+            except EngineUnavailableError:
+                raise
+            except EngineError as exc:
+                if "(404)" not in str(exc):
+                    raise
+                self._legacy_info = True
+        return await self.request("GET", f"/get_{name}")
 
     async def health(self, timeout_s: float = 5.0) -> bool:
         try:

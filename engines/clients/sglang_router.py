@@ -80,7 +80,7 @@ class SGLangRouterProcess:
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
                 "--health-check-interval-secs", str(self.health_interval_s),
                 "--health-failure-threshold", str(self.health_failures),
-                "--health-success-threshold", "1", "--log-level", "info", *self.extra_args]
+                "--health-success-threshold", "1", "--log-level", "warn", *self.extra_args]
 
     async def start(self, timeout_s: float = 60.0) -> SGLangRouterProcess:
         """Launch the router; returns once it routes to every worker it was given."""

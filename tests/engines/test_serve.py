@@ -312,3 +312,36 @@ async def test_openai_engine_chat(served, tokenizer) -> None:
         assert json.loads(reply.tool_calls[0].arguments) == {"q": "x"}
     finally:
         await api.close()
+
+
+async def test_client_asks_current_info_names_then_the_older_ones(served) -> None:
+    """`SGLangClient` asks ``/model_info`` (current SGLang); a server from before the rename
+    (only ``/get_model_info``, as SGLang 0.4 serves) is asked by the older name after its 404."""
+    from aiohttp import web
+
+    _, server, client = served
+    assert (await client.get_model_info())["model_type"] == "qwen3"
+    assert not client._legacy_info
+    asked: list[str] = []
+
+    async def old_info(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response({"model_path": "m", "weight_version": "7"})
+
+    app = web.Application()
+    app.router.add_get("/get_model_info", old_info)
+    app.router.add_get("/get_server_info", old_info)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    old = SGLangClient(f"http://127.0.0.1:{port}", retries=0)
+    try:
+        assert (await old.get_model_info())["weight_version"] == "7"
+        assert old.weight_version == 7 and old._legacy_info
+        await old.get_server_info()
+        assert asked == ["/get_model_info", "/get_server_info"]  # the 404 is asked once
+    finally:
+        await old.close()
+        await runner.cleanup()
