@@ -22,6 +22,10 @@ def router_problems(cfg: TrainConfig) -> list[Problem]:
     """Why ``engine.router = "sglang"`` cannot route this run's requests."""
     e = cfg.engine
     if e.router != "sglang":
+        if e.router_args:
+            return [Problem(("engine.router_args", "engine.router"), (
+                "engine.router_args are flags of SGLang's router: set engine.router = 'sglang' "
+                "too, or drop them"))]
         return []
     from palaestra.run.run_engines import engine_actor_count
 

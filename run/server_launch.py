@@ -46,7 +46,7 @@ def launched_engine(engine: EngineSection, model_path: Path, log_dir: Path) -> A
     servers = server_configs(engine, model_path) if engine.launch != "none" else []
     launcher = palaestra_serve_argv if engine.launch == "palaestra" else None
     return SGLangEngine(engine.urls, servers=servers, launcher=launcher, log_dir=log_dir,
-                        router=engine.router)
+                        router=engine.router, router_args=tuple(engine.router_args))
 
 
 __all__ = ["launched_engine", "palaestra_serve_argv", "server_configs"]

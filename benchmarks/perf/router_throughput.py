@@ -9,7 +9,8 @@ Starts two ``palaestra serve --device cpu --threads 1`` workers on free loopback
 plays the same ``--episodes`` calculator episodes (the quickstart's env settings; episode ``i``
 has seed ``i``: the same task and the same sampling seed under both routers) through
 `SGLangEngine` with ``router="palaestra"`` (the Python `Router`) and ``router="sglang"``
-(SGLang's router, ``sglang-router``), ``--concurrency`` at a time, ``--repeats`` times each in
+(SGLang's router, ``sglang-router``; with ``--sglang-args`` also a third pass of it with those
+flags), ``--concurrency`` at a time, ``--repeats`` times each in
 alternating order, the workers' prefix caches flushed before every pass. Reports per pass:
 episodes/s, generated tokens/s, the requests each worker served and the share of prompt tokens
 its prefix cache served (the cache-aware policy's effect). ``--model`` defaults to a fresh tiny
@@ -48,7 +49,7 @@ async def _stats(engine: Any) -> dict[str, dict[str, float]]:
     return out
 
 
-async def _pass(urls: list[str], router: str, args: argparse.Namespace, model: str,
+async def _pass(urls: list[str], label: str, args: argparse.Namespace, model: str,
                 log_dir: Path) -> dict[str, Any]:
     from palaestra.agents import make_agent
     from palaestra.engine import SamplingParams
@@ -56,7 +57,9 @@ async def _pass(urls: list[str], router: str, args: argparse.Namespace, model: s
     from palaestra.envs import make
     from palaestra.rollout import run_episode
 
-    engine = SGLangEngine(urls, router=router, log_dir=log_dir)
+    router = "palaestra" if label == "palaestra" else "sglang"
+    extra = args.sglang_args.split() if label == "sglang+args" else ()
+    engine = SGLangEngine(urls, router=router, log_dir=log_dir, router_args=extra)
     await engine.start()
     try:
         for client in engine.clients:
@@ -86,7 +89,7 @@ async def _pass(urls: list[str], router: str, args: argparse.Namespace, model: s
     generated = sum(d["generated_tokens"] for d in delta.values())
     prompt = sum(d["prompt_tokens"] for d in delta.values())
     return {
-        "router": router, "episodes": len(trajs), "failed": failed, "seconds": round(seconds, 3),
+        "router": label, "episodes": len(trajs), "failed": failed, "seconds": round(seconds, 3),
         "episodes_per_s": round(len(trajs) / seconds, 3),
         "generated_tokens_per_s": round(generated / seconds, 1),
         "turns_per_episode": round(sum(len(t.turns) for t in trajs) / len(trajs), 3),
@@ -108,21 +111,22 @@ async def _run(args: argparse.Namespace, model: str, work: Path) -> dict[str, An
         await wait_all_ready(workers, 300)
         urls = [w.url for w in workers]
         passes = []
+        labels = ["palaestra", "sglang"] + (["sglang+args"] if args.sglang_args else [])
         for r in range(args.repeats):
-            order = ("palaestra", "sglang") if r % 2 == 0 else ("sglang", "palaestra")
-            for router in order:
-                result = await _pass(urls, router, args, model, work / f"{router}-{r}")
+            for label in labels if r % 2 == 0 else labels[::-1]:
+                result = await _pass(urls, label, args, model, work / f"{label}-{r}")
                 print(json.dumps(result), flush=True)
                 passes.append(result)
     finally:
         for w in workers:
             w.stop()
     summary = {}
-    for router in ("palaestra", "sglang"):
-        rates = [p["episodes_per_s"] for p in passes if p["router"] == router]
-        summary[router] = {"episodes_per_s_median": statistics.median(rates),
-                           "episodes_per_s": rates}
+    for label in labels:
+        rates = [p["episodes_per_s"] for p in passes if p["router"] == label]
+        summary[label] = {"episodes_per_s_median": statistics.median(rates),
+                          "episodes_per_s": rates}
     return {"model": model, "episodes": args.episodes, "concurrency": args.concurrency,
+            "sglang_args": args.sglang_args,
             "max_new_tokens": args.max_new_tokens, "passes": passes, "summary": summary}
 
 
@@ -134,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="passes per router (alternating)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sglang-args", default="",
+                   help="a third pass, SGLang's router with these flags (e.g. "
+                   "'--balance-abs-threshold 4')")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args(argv)
     from palaestra.engines.clients.sglang_router import require_router

@@ -492,7 +492,7 @@ class SGLangEngine:
                  launcher: Callable[[SGLangServerConfig], list[str]] | None = None,
                  startup_timeout_s: float = 900.0, log_dir: str | Path | None = None,
                  health_interval_s: float = 5.0, router: str = "palaestra",
-                 **client_kw: Any) -> None:
+                 router_args: Sequence[str] = (), **client_kw: Any) -> None:
         if router not in ("palaestra", "sglang"):
             raise ConfigError(f"router = {router!r}: choose 'palaestra' (the Python Router) or "
                               "'sglang' (SGLang's router, pip install sglang-router)")
@@ -507,6 +507,7 @@ class SGLangEngine:
         self.log_dir = Path(log_dir) if log_dir else None
         self.health_interval_s = health_interval_s
         self.router = router
+        self.router_args = tuple(router_args)  # extra flags of SGLang's router
         self.client_kw = client_kw
         self.processes: list[ServerProcess] = []
         self.clients: list[SGLangClient] = []
@@ -554,7 +555,8 @@ class SGLangEngine:
 
         log = self.log_dir / "sglang-router.log" if self.log_dir else None
         try:
-            process = await SGLangRouterProcess(urls, log_path=log).start()
+            process = await SGLangRouterProcess(urls, log_path=log,
+                                                extra_args=self.router_args).start()
         except BaseException:
             for p in self.processes:
                 p.stop()
