@@ -188,6 +188,16 @@ class EngineSection(Section):
     ``python -m sglang.launch_server``, "palaestra" runs ``palaestra serve`` (the embedded engine
     in its own process), one per group of ``launch_tp`` GPUs of ``launch_gpus`` (one CPU server
     when that list is empty); they come in addition to ``urls``."""
+    router: Literal["palaestra", "sglang"] = "palaestra"
+    """What routes requests over the servers (kind = "sglang"): "palaestra" is the run's own
+    Python router (least outstanding requests, sticky sessions, failover); "sglang" starts
+    SGLang's router (``pip install sglang-router``, a Rust binary; cache-aware policy) in front
+    of ``urls`` and the launched servers and stops it with the run (docs/scale_out.md)."""
+    router_args: list[str] = Field(default_factory=list)
+    """Extra arguments of SGLang's router (router = "sglang"), e.g. ``["--policy",
+    "power_of_two"]`` or ``["--balance-abs-threshold", "4"]``: its cache-aware policy sends
+    prompts that share a prefix (one system prompt) to one server until the servers differ by
+    64 requests."""
     launch_gpus: list[int] = Field(default_factory=list)
     """GPUs of the launched servers, e.g. [1, 2, 3] with the trainer on GPU 0."""
     launch_tp: int = Field(1, ge=1)

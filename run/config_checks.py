@@ -49,11 +49,21 @@ def config_problems(cfg: TrainConfig) -> list[Problem]:
     from palaestra.run.on_policy import on_policy_problems
 
     out += distill_problems(cfg) + on_policy_problems(cfg)
+    from palaestra.run.router_choice import router_problems
+
+    out += router_problems(cfg)
     return out + services_problems(cfg) + placement_problems(cfg) + engine_actor_problems(cfg)
 
 
 def launch_problems(cfg: TrainConfig) -> list[Problem]:
     """Problems a real run has on this machine (a dry run only plans, e.g. for a GPU host)."""
+    from palaestra.run.router_choice import router_launch_problems
+
+    return router_launch_problems(cfg) + _model_launch_problems(cfg)
+
+
+def _model_launch_problems(cfg: TrainConfig) -> list[Problem]:
+    """The policy checkpoint is there (or the config says how to build it)."""
     from palaestra.model_import import KNOWN_MODELS
 
     path = cfg.in_run(cfg.model.path)

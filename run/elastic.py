@@ -20,8 +20,11 @@ engine joined at, or why it was refused (wrong model, unreachable, already there
 - **remove**: the router drains it at once (no new requests; those in flight finish, or after
   ``timeout_s`` are retried on another engine); the weight pushes drop it before the next one;
   an engine actor's server is stopped and its actor killed.
+- **SGLang's router** (``engine.router = "sglang"``): joins and removals go through its worker
+  API (``POST /workers``, ``DELETE /workers/{id}``); a drain waits for the server's own request
+  count (``/get_load``) and sends what it aborts again through the router.
 - **lost**: a server that stops answering has its requests retried on another engine by the
-  `Router`; before every weight push each server's ``/health`` is asked, and one that does not
+  `Router` (or by SGLang's router, once its health checks drop it); before every weight push each server's ``/health`` is asked, and one that does not
   answer is dropped from the run (``engines/lost``), so the push goes to the others (a dead
   engine actor is such a server; what is left of it is killed).
 
@@ -32,6 +35,7 @@ requests each engine served.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import secrets
@@ -47,6 +51,7 @@ if TYPE_CHECKING:
     from palaestra.contracts import WeightSource
     from palaestra.run.engine_actors import EngineGroup
     from palaestra.engines.clients.router import Router
+    from palaestra.engines.clients.sglang_router import SGLangRouted
     from palaestra.rollout.manager import RolloutManager
     from palaestra.run.engine_sync import EngineSync
 
@@ -107,12 +112,15 @@ class ElasticEngines:
         self._client_kw = dict(getattr(engine, "client_kw", {}))
 
     # ------------------------------------------------------------------------ router
-    def router(self) -> Router:
-        """The engine's `Router` (an engine of one server gets one, so it can grow)."""
+    def router(self) -> Router | SGLangRouted:
+        """The engine's `Router` (an engine of one server gets one, so it can grow), or SGLang's
+        router in front of its servers (``engine.router = "sglang"``: joins and removals go
+        through its worker API)."""
         from palaestra.engines.clients.router import Router
+        from palaestra.engines.clients.sglang_router import SGLangRouted
 
         target = self.engine._engine()  # raises unless started
-        if not isinstance(target, Router):
+        if not isinstance(target, (Router, SGLangRouted)):
             target = Router(list(self.engine.clients),
                             health_interval_s=getattr(self.engine, "health_interval_s", 5.0))
             self.engine._target = target
@@ -209,7 +217,7 @@ class ElasticEngines:
                 if join.client.weight_version != version:
                     raise EngineError(f"{join.client.url} reports weight version "
                                       f"{info.get('weight_version')} after the push of {version}")
-                self.router().add_engine(join.client)
+                await _done(self.router().add_engine(join.client))
                 self.engine.clients.append(join.client)
                 self._clients_changed = True
                 joined.append(join.client.url)
@@ -270,7 +278,7 @@ class ElasticEngines:
         for client, ok in zip(clients, answers, strict=True):
             if ok or len(self.engine.clients) == 1:  # the last one: the push says why it fails
                 continue
-            router.remove_engine(client)
+            await _done(router.remove_engine(client))
             self.engine.clients.remove(client)
             self._clients_changed = True
             self.lost += 1
@@ -356,6 +364,12 @@ class _ElasticPush:
         await self.elastic.settle()
         await self.elastic.sync.push_now(self.backend, version)
         self.elastic.version = version
+
+
+async def _done(result: object) -> None:
+    """Await what the router's member calls return: SGLang's router answers over HTTP."""
+    if inspect.isawaitable(result):
+        await result
 
 
 def _config_of(path: Path) -> dict[str, Any]:

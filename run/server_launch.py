@@ -4,7 +4,8 @@ One server per group of ``launch_tp`` GPUs of ``launch_gpus`` (each pinned with
 ``CUDA_VISIBLE_DEVICES``), or one CPU server when no GPU is listed, on free ports. "sglang"
 launches ``python -m sglang.launch_server``; "palaestra" launches ``palaestra serve``, which speaks
 the same HTTP API (weight-update groups included), so a one-node disaggregated run needs no SGLang.
-`SGLangEngine` owns the processes: it waits for their health and stops them at close.
+`SGLangEngine` owns the processes: it waits for their health and stops them at close, and with
+``engine.router = "sglang"`` starts SGLang's router in front of them (stopped at close too).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def launched_engine(engine: EngineSection, model_path: Path, log_dir: Path) -> A
 
     servers = server_configs(engine, model_path) if engine.launch != "none" else []
     launcher = palaestra_serve_argv if engine.launch == "palaestra" else None
-    return SGLangEngine(engine.urls, servers=servers, launcher=launcher, log_dir=log_dir)
+    return SGLangEngine(engine.urls, servers=servers, launcher=launcher, log_dir=log_dir,
+                        router=engine.router, router_args=tuple(engine.router_args))
 
 
 __all__ = ["launched_engine", "palaestra_serve_argv", "server_configs"]

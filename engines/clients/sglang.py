@@ -9,7 +9,8 @@ then tries another server); a 4xx raises `EngineError` with the server's message
 `SGLangEngine` attaches to running servers (``urls``) and/or launches
 ``python -m sglang.launch_server`` processes (`SGLangServerConfig`, one per GPU group), waits for
 them to answer, and routes over several with `Router` (least outstanding requests, sticky
-sessions for prefix-cache reuse, failover).
+sessions for prefix-cache reuse, failover), or with ``router="sglang"`` through SGLang's own
+router (`palaestra.engines.clients.sglang_router`), started in front of them.
 
 Tensors for ``/update_weights_from_tensor``: SGLang expects ``MultiprocessingSerializer``
 payloads (CUDA IPC or shared-memory handles, same host; written by `ipc_payload` without sglang
@@ -71,6 +72,7 @@ class SGLangClient:
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
         self._rids: dict[str, str] = {}  # caller's request id -> rid of the attempt in flight
+        self._legacy_info = False  # the server knows /get_model_info, not /model_info
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
@@ -327,13 +329,27 @@ class SGLangClient:
                            {"tags": list(tags) if tags else None})
 
     async def get_model_info(self) -> dict[str, Any]:
-        out = await self.request("GET", "/get_model_info")
+        out = await self._info("model_info")
         if isinstance(out, dict):
             self._version = _version_of(out.get("weight_version"), self._version)
         return out  # type: ignore[no-any-return]
 
     async def get_server_info(self) -> dict[str, Any]:
-        return await self.request("GET", "/get_server_info")  # type: ignore[no-any-return]
+        return await self._info("server_info")  # type: ignore[no-any-return]
+
+    async def _info(self, name: str) -> Any:
+        """``GET /<name>`` (current SGLang's name; its ``/get_<name>`` is deprecated there), or
+        ``/get_<name>`` from a server that answers 404 to it (SGLang before the rename)."""
+        if not self._legacy_info:
+            try:
+                return await self.request("GET", f"/{name}")
+            except EngineUnavailableError:
+                raise
+            except EngineError as exc:
+                if "(404)" not in str(exc):
+                    raise
+                self._legacy_info = True
+        return await self.request("GET", f"/get_{name}")
 
     async def health(self, timeout_s: float = 5.0) -> bool:
         try:
@@ -475,7 +491,11 @@ class SGLangEngine:
     def __init__(self, urls: str | Sequence[str] = (), *, servers: Sequence[SGLangServerConfig] = (),
                  launcher: Callable[[SGLangServerConfig], list[str]] | None = None,
                  startup_timeout_s: float = 900.0, log_dir: str | Path | None = None,
-                 health_interval_s: float = 5.0, **client_kw: Any) -> None:
+                 health_interval_s: float = 5.0, router: str = "palaestra",
+                 router_args: Sequence[str] = (), **client_kw: Any) -> None:
+        if router not in ("palaestra", "sglang"):
+            raise ConfigError(f"router = {router!r}: choose 'palaestra' (the Python Router) or "
+                              "'sglang' (SGLang's router, pip install sglang-router)")
         if isinstance(urls, str):
             urls = [urls]
         if not urls and not servers:
@@ -486,6 +506,8 @@ class SGLangEngine:
         self.startup_timeout_s = startup_timeout_s
         self.log_dir = Path(log_dir) if log_dir else None
         self.health_interval_s = health_interval_s
+        self.router = router
+        self.router_args = tuple(router_args)  # extra flags of SGLang's router
         self.client_kw = client_kw
         self.processes: list[ServerProcess] = []
         self.clients: list[SGLangClient] = []
@@ -505,6 +527,10 @@ class SGLangEngine:
             return
         if self.servers and self.launcher is None and importlib.util.find_spec("sglang") is None:
             raise MissingExtraError.for_module("sglang", "sglang")
+        if self.router == "sglang":
+            from palaestra.engines.clients.sglang_router import require_router
+
+            require_router()  # before any server starts
         for i, cfg in enumerate(self.servers):
             argv = self.launcher(cfg) if self.launcher is not None else cfg.command()
             log = self.log_dir / f"sglang-{i}-{cfg.port}.log" if self.log_dir else None
@@ -514,12 +540,29 @@ class SGLangEngine:
         await wait_all_ready(self.processes, self.startup_timeout_s)
         urls = self.urls + [p.url for p in self.processes]
         self.clients = [SGLangClient(u, **self.client_kw) for u in urls]
-        if len(self.clients) == 1:
+        if self.router == "sglang":
+            self._target = await self._sglang_router(urls)
+        elif len(self.clients) == 1:
             self._target = self.clients[0]
         else:
             from palaestra.engines.clients.router import Router
 
             self._target = Router(self.clients, health_interval_s=self.health_interval_s)
+
+    async def _sglang_router(self, urls: Sequence[str]) -> Any:
+        """SGLang's router in front of ``urls`` (the launched servers stop if it cannot start)."""
+        from palaestra.engines.clients.sglang_router import SGLangRouted, SGLangRouterProcess
+
+        log = self.log_dir / "sglang-router.log" if self.log_dir else None
+        try:
+            process = await SGLangRouterProcess(urls, log_path=log,
+                                                extra_args=self.router_args).start()
+        except BaseException:
+            for p in self.processes:
+                p.stop()
+            self.processes = []
+            raise
+        return SGLangRouted(process, self.clients)
 
     def _engine(self) -> Any:
         if self._target is None:

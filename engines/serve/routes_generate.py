@@ -244,8 +244,9 @@ def _lora_names(value: Any, count: int) -> list[str | None]:
 
 
 def add_generation_routes(r: web.UrlDispatcher, state: ServerState) -> None:
-    """``/generate`` (POST and PUT), ``/health``, ``/health_generate``, ``/get_model_info``
-    and ``/get_server_info``."""
+    """``/generate`` (POST and PUT), ``/health``, ``/health_generate``, ``/model_info`` and
+    ``/server_info`` (and their older names ``/get_model_info``, ``/get_server_info``), and
+    ``/get_load``."""
     from aiohttp import web
 
     engine = state.engine
@@ -291,11 +292,14 @@ def add_generation_routes(r: web.UrlDispatcher, state: ServerState) -> None:
             return web.Response(status=503)
         return web.Response(status=200)
 
+    model_card = _model_card(state.model_path)
+
     async def model_info(request: web.Request) -> web.Response:
         return web.json_response({
             "model_path": state.model_path, "tokenizer_path": state.model_path,
             "is_generation": True, "preferred_sampling_params": None,
-            "weight_version": state.weight_version,
+            "weight_version": state.weight_version, "has_image_understanding": False,
+            "has_audio_understanding": False, **model_card,
         })
 
     async def server_info(request: web.Request) -> web.Response:
@@ -312,13 +316,42 @@ def add_generation_routes(r: web.UrlDispatcher, state: ServerState) -> None:
             "engine": "palaestra.LocalEngine",
         })
 
+    async def load(request: web.Request) -> web.Response:
+        return web.json_response([_load(engine)])
+
     for path, fn in (("/generate", generate),):
         r.add_post(path, fn)
         r.add_put(path, fn)
     r.add_get("/health", health)
     r.add_get("/health_generate", health_generate)
-    r.add_get("/get_model_info", model_info)
-    r.add_get("/get_server_info", server_info)
+    # current SGLang's names first (the SGLang router asks for them), the older ones beside
+    for name, handler in (("model_info", model_info), ("server_info", server_info)):
+        r.add_get(f"/{name}", handler)
+        r.add_get(f"/get_{name}", handler)
+    r.add_get("/get_load", load)
+
+
+def _model_card(model_path: str) -> dict[str, Any]:
+    """``model_type`` and ``architectures`` of the served checkpoint's config.json (None when the
+    engine was built in memory), as SGLang's ``/model_info`` reports them."""
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    return {"model_type": config.get("model_type"),
+            "architectures": config.get("architectures")}
+
+
+def _load(engine: Any) -> dict[str, Any]:
+    """One data-parallel rank's entry of ``/get_load``: requests running and waiting, and the
+    tokens their KV holds (what the SGLang router balances on)."""
+    running = list(engine._running)
+    waiting = int(engine.stats["waiting"])
+    held = sum(req.kv_len for req in running)
+    return {"dp_rank": 0, "num_reqs": len(running) + waiting, "num_waiting_reqs": waiting,
+            "num_tokens": held, "num_pending_tokens": 0, "ts_tic": time.perf_counter()}
 
 
 async def _stream_generate(request: web.Request, state: ServerState, item: GenItem,

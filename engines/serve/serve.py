@@ -20,6 +20,7 @@ skips the grace, and a watchdog ends the process if the drain itself hangs.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -227,6 +228,25 @@ def _watchdog(seconds: float) -> None:
     timer.start()
 
 
+class _Http2ProbeFilter:
+    """Drops aiohttp's traceback for a connection that opened with HTTP/2's preface (``PRI *
+    HTTP/2.0``): the SGLang router probes every worker for gRPC beside HTTP when it registers
+    it, and this server answers HTTP/1.1 only (the router then uses HTTP); one line says so."""
+
+    def __init__(self) -> None:
+        self.noted = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None or "PRI/Upgrade" not in str(exc):
+            return True
+        if not self.noted:
+            self.noted = True
+            print("palaestra serve: a client probed for HTTP/2 (gRPC); this server speaks "
+                  "HTTP/1.1 (the SGLang router falls back to it)", file=sys.stderr, flush=True)
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
     import gc
@@ -239,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
     # thread pool only makes the event loop wait for those threads on a busy machine.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     options = options_from_args(args)  # bad options fail before the model loads
+    logging.getLogger("aiohttp.server").addFilter(_Http2ProbeFilter())
     warning = exposure_warning(args.host, options)
     if warning:
         print(f"WARNING: {warning}", file=sys.stderr, flush=True)

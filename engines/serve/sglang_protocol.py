@@ -150,6 +150,26 @@ GENERATE_META_INFO_KEYS = frozenset({
 })
 #: Top-level keys of a non-streaming /generate response (BatchStrOutput branch).
 GENERATE_RESPONSE_KEYS = frozenset({"text", "output_ids", "meta_info"})
+#: Keys of SGLang's ``/model_info`` answer (``/get_model_info`` is its deprecated alias), read off
+#: current SGLang's http_server.py (2026): the SGLang router reads ``model_type`` and
+#: ``architectures`` from it when a worker registers.
+MODEL_INFO_KEYS = frozenset({
+    "model_path", "tokenizer_path", "is_generation", "preferred_sampling_params",
+    "weight_version", "has_image_understanding", "has_audio_understanding", "model_type",
+    "architectures",
+})
+#: Keys of ``/server_info`` (alias ``/get_server_info``) that SGLang's clients read: SGLang answers
+#: its whole ``ServerArgs`` plus the scheduler's info; the router (``sglang-router``) parses
+#: these from it when a worker registers.
+SERVER_INFO_KEYS = frozenset({
+    "model_path", "tokenizer_path", "served_model_name", "host", "port", "tp_size", "dp_size",
+    "max_running_requests", "max_prefill_tokens", "context_length", "weight_version",
+    "skip_tokenizer_init", "internal_states", "version",
+})
+#: Keys of one entry (one data-parallel rank) of ``/get_load``'s list, the load the SGLang router
+#: polls from its workers.
+LOAD_KEYS = frozenset({"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens",
+                       "num_pending_tokens", "ts_tic"})
 #: finish_reason objects (schedule_batch.FINISH_*.to_json()).
 FINISH_REASON_TYPES = {"stop": ("matched",), "length": ("length",), "abort": ("message",)}
 
@@ -198,7 +218,10 @@ __all__ = [
     "GENERATE_RESPONSE_KEYS",
     "GET_WEIGHTS_BY_NAME_REQ_INPUT",
     "INIT_WEIGHTS_UPDATE_GROUP_REQ_INPUT",
+    "LOAD_KEYS",
+    "MODEL_INFO_KEYS",
     "SAMPLING_PARAMS",
+    "SERVER_INFO_KEYS",
     "SGLANG_HTTP_SERVER_COMMIT",
     "SGLANG_IO_STRUCT_COMMIT",
     "UPDATE_WEIGHTS_FROM_DISTRIBUTED_REQ_INPUT",

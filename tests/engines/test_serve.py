@@ -161,10 +161,11 @@ async def test_weight_updates_over_http(served, other_weights_dir: str) -> None:
     after = await client.generate(p, params)
     assert engine.weight_version == 3 and after.weight_version == 3
     assert after.token_ids != before.token_ids
-    status, info = await post(server.url + "/get_model_info", None, "GET")
-    assert status == 200 and info["weight_version"] == "3"
-    assert set(info) == {"model_path", "tokenizer_path", "is_generation",
-                         "preferred_sampling_params", "weight_version"}
+    for path in ("/model_info", "/get_model_info"):  # SGLang's current name and the older one
+        status, info = await post(server.url + path, None, "GET")
+        assert status == 200 and info["weight_version"] == "3"
+        assert set(info) == sp.MODEL_INFO_KEYS
+        assert info["model_type"] == "qwen3" and info["architectures"] == ["Qwen3ForCausalLM"]
     await client.update_weights(path=engine.model_path)  # from disk: version 4, old weights
     back = await client.generate(p, params)
     assert back.token_ids == before.token_ids and back.weight_version == 4
@@ -202,6 +203,8 @@ async def test_control_endpoints(served) -> None:
         max_new_tokens=2000, temperature=0, ignore_eos=True), request_id="slow"))
     while engine.stats["generated_tokens"] < 3:
         await asyncio.sleep(0.005)
+    status, loads = await post(server.url + "/get_load", None, "GET")  # the router's load poll
+    assert status == 200 and loads[0]["num_reqs"] == 1 and loads[0]["num_tokens"] >= 3 + 2
     status, out = await post(server.url + "/pause_generation", {"mode": "in_place"})
     assert status == 200 and out == {"message": "Generation paused successfully.", "status": "ok"}
     held = engine.stats["generated_tokens"]
@@ -222,6 +225,11 @@ async def test_control_endpoints(served) -> None:
     for path in ("/health", "/health_generate", "/get_server_info", "/get_weight_version"):
         status, _ = await post(server.url + path, None, "GET")
         assert status == 200, path
+    status, info = await post(server.url + "/server_info", None, "GET")
+    assert status == 200 and set(info) >= sp.SERVER_INFO_KEYS
+    status, loads = await post(server.url + "/get_load", None, "GET")
+    assert status == 200 and len(loads) == 1 and set(loads[0]) == sp.LOAD_KEYS
+    assert loads[0]["num_reqs"] == 0 and loads[0]["num_tokens"] == 0
 
 
 async def test_openai_chat_with_a_tool_call(served, tokenizer) -> None:
@@ -304,3 +312,36 @@ async def test_openai_engine_chat(served, tokenizer) -> None:
         assert json.loads(reply.tool_calls[0].arguments) == {"q": "x"}
     finally:
         await api.close()
+
+
+async def test_client_asks_current_info_names_then_the_older_ones(served) -> None:
+    """`SGLangClient` asks ``/model_info`` (current SGLang); a server from before the rename
+    (only ``/get_model_info``, as SGLang 0.4 serves) is asked by the older name after its 404."""
+    from aiohttp import web
+
+    _, server, client = served
+    assert (await client.get_model_info())["model_type"] == "qwen3"
+    assert not client._legacy_info
+    asked: list[str] = []
+
+    async def old_info(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response({"model_path": "m", "weight_version": "7"})
+
+    app = web.Application()
+    app.router.add_get("/get_model_info", old_info)
+    app.router.add_get("/get_server_info", old_info)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    old = SGLangClient(f"http://127.0.0.1:{port}", retries=0)
+    try:
+        assert (await old.get_model_info())["weight_version"] == "7"
+        assert old.weight_version == 7 and old._legacy_info
+        await old.get_server_info()
+        assert asked == ["/get_model_info", "/get_server_info"]  # the 404 is asked once
+    finally:
+        await old.close()
+        await runner.cleanup()

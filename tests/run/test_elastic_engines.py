@@ -287,3 +287,48 @@ async def test_an_engine_of_another_model_is_refused(tmp_path, servers):
         assert elastic.listing()["joining"] == []
     finally:
         await engine.close()
+
+
+@pytest.mark.slow
+def test_engines_join_and_leave_through_sglang_router(tmp_path, micro_model, servers):
+    """``engine.router = "sglang"``: the run starts SGLang's router in front of its server, an
+    added server joins through the router's worker API and a removed one drains out of it; the
+    run ends with the router stopped and no endpoint fallback in its log."""
+    pytest.importorskip("sglang_router", reason="sglang-router is not installed")
+    from palaestra.engines.clients.sglang_router import FALLBACK_MARKERS
+    from palaestra.run.engines_cli import call
+
+    a, b = servers
+    steps = 4
+    (tmp_path / "slow_env.py").write_text(SLOW_ENV)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "palaestra", "train",
+                             str(_config(tmp_path, micro_model, a.url, steps)),
+                             "--engine.router", "sglang"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for(run / "admin.json", proc)
+        joined = call(run, "add", b.url)
+        assert joined["url"] == b.url
+        drained = call(run, "remove", a.url, timeout_s=30)
+        assert drained["name"] == a.url and drained["retried"] == 0
+        assert [e["name"] for e in call(run, "list")["engines"]] == [b.url]
+        out, _ = proc.communicate(timeout=300)
+        assert proc.returncode == 0, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    rl = [r for r in _read(run / "metrics.jsonl") if r["phase"] == "rl"]
+    assert len(rl) == steps and all(r["episodes/failed"] == 0 for r in rl)
+    assert rl[-1]["engines/added"] == 1 and rl[-1]["engines/removed"] == 1
+    assert rl[-1]["engines/count"] == 1
+    final = json.loads((run / "engines.json").read_text())
+    assert final["served_versions"] == {b.url: str(steps)}
+    log = (run / "servers" / "sglang-router.log").read_text()
+    assert not [line for line in log.splitlines() if any(m in line for m in FALLBACK_MARKERS)]
+    out = subprocess.run(["pgrep", "-f", f"sglang_router.launch_router.*{a.url}"],
+                         check=False, capture_output=True, text=True).stdout
+    assert not out.strip(), "the router outlived the run"
