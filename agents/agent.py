@@ -69,7 +69,7 @@ class Agent:
     ) -> None:
         if int(max_context) < 1:
             raise ConfigError(f"max_context must be a positive token count, got {max_context}")
-        self.template = ChatTemplate(tokenizer, renderer, enable_thinking=enable_thinking)
+        self.template = ChatTemplate.shared(tokenizer, renderer, enable_thinking=enable_thinking)
         self.tokenizer = tokenizer
         self.renderer = self.template.renderer
         self.max_context = int(max_context)

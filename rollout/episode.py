@@ -38,6 +38,8 @@ written as a call.
 from __future__ import annotations
 
 import asyncio
+import copy
+import functools
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -267,10 +269,8 @@ class TokenPlayer:
         st.agent_s += thread_time() - t
 
     async def act(self, request: EpisodeRequest, st: EpisodeState) -> Move:
-        agent, sampling = self.agent, request.sampling
-        stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *agent.stop_token_ids)))
-        base = sampling if stops == sampling.stop_token_ids else replace(
-            sampling, stop_token_ids=stops)
+        agent = self.agent
+        base = _with_stops(request.sampling, agent.stop_token_ids)
         st.stage = "engine"
         budget = agent.remaining_context()
         if budget <= 0:
@@ -280,9 +280,9 @@ class TokenPlayer:
         if turn_budget <= 0:
             return Move(stop=StopReason.MAX_TOKENS)
         max_new = min(turn_budget, budget)
-        params = base if max_new == base.max_new_tokens else replace(base, max_new_tokens=max_new)
+        params = base if max_new == base.max_new_tokens else _evolve(base, max_new_tokens=max_new)
         if base.seed is not None:
-            params = replace(params, seed=base.seed + st.requests)
+            params = _evolve(params, seed=base.seed + st.requests)
         sid = request.session_id
         rid = f"{sid}:{st.requests}" if sid else None
         st.requests += 1
@@ -335,6 +335,23 @@ class TokenPlayer:
 
 
 # ---------------------------------------------------------------------- helpers
+@functools.lru_cache(maxsize=64)
+def _with_stops(sampling: SamplingParams, stops: tuple[int, ...]) -> SamplingParams:
+    """``sampling`` with the agent's stop tokens added (one per run's settings, not per turn)."""
+    merged = tuple(dict.fromkeys((*sampling.stop_token_ids, *stops)))
+    return sampling if merged == sampling.stop_token_ids else replace(
+        sampling, stop_token_ids=merged)
+
+
+def _evolve(params: SamplingParams, **changes: int) -> SamplingParams:
+    """``params`` with fields changed to values that keep it valid (a token budget >= 1, a
+    seed), without `SamplingParams` validating its every field again on each turn."""
+    out = copy.copy(params)
+    for name, value in changes.items():
+        object.__setattr__(out, name, value)
+    return out
+
+
 def finite_reward(reward: Any) -> float | None:
     """``reward`` as a float, or None when it is not a finite number (NaN, inf, str, None...)."""
     if isinstance(reward, (str, bytes, bytearray)):  # float("1") would accept them
