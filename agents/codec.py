@@ -25,6 +25,8 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from palaestra.trace_ranges import span
+
 if TYPE_CHECKING:
     from palaestra.contracts import Tokenizer
 
@@ -70,6 +72,10 @@ class TokenCodec:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with no special tokens added (what ``tokenizer.encode(text,
         add_special_tokens=False)`` returns)."""
+        with span("tokenization"):
+            return self._encode(text)
+
+    def _encode(self, text: str) -> list[int]:
         if self._backend is not None and \
                 self._backend.get_vocab_size(with_added_tokens=True) != self._size:
             self._build()
@@ -96,10 +102,11 @@ class TokenCodec:
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of ``ids``, special tokens kept, no clean-up of spaces."""
-        if self._split is not None:
-            return str(self._backend.decode(list(ids), skip_special_tokens=False))
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=False,
-                                         clean_up_tokenization_spaces=False))
+        with span("tokenization"):
+            if self._split is not None:
+                return str(self._backend.decode(list(ids), skip_special_tokens=False))
+            return str(self.tokenizer.decode(list(ids), skip_special_tokens=False,
+                                             clean_up_tokenization_spaces=False))
 
 
 def _piecewise_added_tokens(backend: Any) -> dict[str, int]:

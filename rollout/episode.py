@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from palaestra.engine import SamplingParams, TokenGenerator
 from palaestra.episode_info import ResetInfo, StepInfo
+from palaestra.trace_ranges import span
 from palaestra.types import Message, Sample, StopReason, Trajectory, Turn
 
 if TYPE_CHECKING:
@@ -160,8 +161,9 @@ async def play_stepped(request: EpisodeRequest) -> Trajectory:
         if not st.started:
             st.stage = "env.reset"
             t = perf_counter()
-            obs, info = await _bounded(env.areset(seed=request.seed,
-                                                  options=request.reset_options()), timeout_s)
+            with span("env_agent"):
+                obs, info = await _bounded(env.areset(seed=request.seed,
+                                                      options=request.reset_options()), timeout_s)
             st.env_s += perf_counter() - t
             reset = ResetInfo.from_info(info)
             st.task_id = reset.task_id
@@ -181,8 +183,9 @@ async def play_stepped(request: EpisodeRequest) -> Trajectory:
                 break
             st.stage = "env.step"
             t = perf_counter()
-            obs, reward, terminated, truncated, info = await _bounded(env.astep(move.action),
-                                                                      timeout_s)
+            with span("env_agent"):
+                obs, reward, terminated, truncated, info = await _bounded(
+                    env.astep(move.action), timeout_s)
             st.env_s += perf_counter() - t
             value = finite_reward(reward)
             if value is None:
@@ -265,7 +268,8 @@ class TokenPlayer:
     def start(self, observation: Sequence[Message], reset: ResetInfo, st: EpisodeState) -> None:
         st.stage = "agent.start"
         t = thread_time()
-        self.agent.start(observation, reset.tools)
+        with span("env_agent"):
+            self.agent.start(observation, reset.tools)
         st.agent_s += thread_time() - t
 
     async def act(self, request: EpisodeRequest, st: EpisodeState) -> Move:
@@ -291,7 +295,8 @@ class TokenPlayer:
         st.engine_s += perf_counter() - t
         st.stage = "agent.parse"
         t = thread_time()
-        action = agent.on_generation(gen)  # an aborted turn is continued by the next call
+        with span("env_agent"):
+            action = agent.on_generation(gen)  # an aborted turn is continued by the next call
         st.agent_s += thread_time() - t
         if gen.finish_reason == "abort":
             st.partial_tokens += len(gen.token_ids)
@@ -306,7 +311,8 @@ class TokenPlayer:
     def observe(self, observation: Sequence[Message], st: EpisodeState) -> bool:
         t = thread_time()
         try:
-            return self.agent.on_observation(observation)
+            with span("env_agent"):
+                return self.agent.on_observation(observation)
         finally:
             st.agent_s += thread_time() - t
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from palaestra.trace_ranges import span
 from palaestra.errors import ConfigError, EngineError, MissingExtraError
 from palaestra.engine import EngineUnavailableError, Generation, SamplingParams
 
@@ -152,7 +153,8 @@ class SGLangClient:
             if lora is not None:
                 payload["lora_path"] = lora
             try:
-                out = await self.request("POST", "/generate", payload, retries=0)
+                with span("http_serialization"):  # the round trip (finer causes win inside)
+                    out = await self.request("POST", "/generate", payload, retries=0)
             except EngineUnavailableError as exc:
                 last = exc
                 continue

@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from palaestra.trace_ranges import span
 from palaestra.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -108,7 +109,8 @@ class ModelRunner:
         import torch
 
         def call() -> Any:
-            with torch.inference_mode(), self.on_stream(), _attention_backends(self.device):
+            with span("engine_step"), torch.inference_mode(), self.on_stream(), \
+                    _attention_backends(self.device):
                 return fn(*args)
 
         if self._executor is None:
