@@ -5,12 +5,37 @@ GPU (one H200, megatron-core installed for the megatron cells), from the reposit
     python -m palaestra.benchmarks.perf.loop --device cuda --shapes qwen3-0.6b,qwen3-1.7b \
         --backends torch,megatron --modes sync,async --steps 5 --json loop.json
 
+The issue-45 workload with a trace of one steady step per cell (one H200: every cell in one
+call: the default variant is the embedded engine; the served cells' engine is another process,
+see `palaestra.benchmarks.perf.idle`)::
+
+    python -m palaestra.benchmarks.perf.loop --device cuda --shapes qwen3-0.6b \
+        --backends torch,megatron --modes sync,async --steps 4 --trace \
+        --extra "--engine.max_running 256" \
+        --variant "served=--engine.kind sglang --engine.launch palaestra \
+            --engine.launch_gpus [0] --engine.weight_sync.kind ipc" \
+        --json docs/results/loop_0.6b_trace_<date>.json
+
 CPU (the tiny quickstart model, a small batch; what CI runs so the script cannot rot)::
 
     python -m palaestra.benchmarks.perf.loop --device cpu --json loop_cpu.json
+    python -m palaestra.benchmarks.perf.loop --device cpu --modes sync --trace   # host time
+
+Shapes (`palaestra.benchmarks.perf.shapes`): ``qwen3-0.6b``/``qwen3-1.7b`` are the real model
+cards (head_dim 128, a vocabulary of 151,936: 596M/1.72B parameters) with the quickstart
+tokenizer padded to that vocabulary; ``qwen3-0.6b-legacy``/``qwen3-1.7b-legacy`` the shapes of
+the figures before 2026-12-04 (head_dim 64, a ~760-entry vocabulary: 353M parameters);
+``tiny``, ``10m``... the `palaestra.tiny_model` sizes. The table shows each cell's parameters.
+
+``--trace`` profiles step ``--skip`` (the first steady one) of every cell: a ``torch.profiler``
+trace (CUDA activity on a GPU) written beside the cell as ``trace-step<N>.json.gz``, and the
+step's GPU idle seconds by cause (engine step host time, admission/stop checks, tokenization,
+env and agent, HTTP, trainer data, optimizer, weight sync, and ``other``), from the host ranges
+the code marks (`palaestra.trace_ranges`) against the kernel timeline; without a GPU, the host
+time of the step by the same causes. Printed as a second table, in the JSON as ``trace``.
 
 Each cell is one ``palaestra train configs/quickstart.toml`` run (the issue-22 workload on GPU:
-random-init Qwen3 layer shapes with the quickstart's tokenizer, Calculator env, 32 prompts x 8,
+random-init Qwen3 models with the quickstart's tokenizer, Calculator env, 32 prompts x 8,
 256 new tokens, no warm-up SFT, no evaluation) in its own subprocess, so every cell starts with
 a clean GPU and process group. The child builds the `TrainConfig` exactly as the CLI does
 (`palaestra.config.load_config` on the same overrides), calls `trainers.loop.train`, and

@@ -67,14 +67,14 @@ def padded_tokenizer(vocab_size: int) -> Any:
     vocab.update({RESERVED.format(i): i for i in range(n, vocab_size)})
     spec["model"]["ignore_merges"] = False  # whole-word lookups would reach the reserved entries
     raw = Tokenizer.from_str(json.dumps(spec))
-    specials = base.special_tokens_map
-    fast = PreTrainedTokenizerFast(
+    eos, pad = base.eos_token, base.pad_token
+    fast = PreTrainedTokenizerFast(  # the special tokens as `build_tokenizer` declares them
         tokenizer_object=raw,
-        eos_token=specials["eos_token"],
-        pad_token=specials["pad_token"],
+        eos_token=eos,
+        pad_token=pad,
         bos_token=None,
         unk_token=None,
-        additional_special_tokens=list(specials.get("additional_special_tokens", [])),
+        additional_special_tokens=[t for t in base.all_special_tokens if t not in (eos, pad)],
     )
     fast.chat_template = base.chat_template
     if len(fast) != vocab_size:
@@ -82,15 +82,19 @@ def padded_tokenizer(vocab_size: int) -> Any:
     return fast
 
 
-def build_shape_model(shape: str, path: Path, *, device: str | None = None) -> Path:
-    """A random-init bf16 model of ``shape`` and its tokenizer at ``path`` (kept if built)."""
+def build_shape_model(shape: str, path: Path, *, device: str | None = None,
+                      max_position_embeddings: int | None = None) -> Path:
+    """A random-init bf16 model of ``shape`` and its tokenizer at ``path`` (kept if built);
+    ``max_position_embeddings`` overrides the card's (a `tiny_model` size: its default)."""
     if (path / "config.json").is_file():
         return path
     from palaestra.tiny_model import SIZES, build_model
 
     cards = model_cards()
     if shape in SIZES and shape not in cards:
-        return build_model(path, shape)
+        if max_position_embeddings is None:
+            return build_model(path, shape)
+        return build_model(path, shape, max_position_embeddings=max_position_embeddings)
     if shape not in cards and shape not in LEGACY_SHAPES:
         from palaestra.errors import ConfigError
 
@@ -117,6 +121,8 @@ def build_shape_model(shape: str, path: Path, *, device: str | None = None) -> P
                               "build Qwen3 models")
         fields = {k: v for k, v in card.items() if k != "model_type"}
         tokenizer = padded_tokenizer(int(fields["vocab_size"]))
+    if max_position_embeddings is not None:
+        fields["max_position_embeddings"] = max_position_embeddings
     path.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(path)
     config = Qwen3Config(
