@@ -88,13 +88,13 @@ class Renderer:
             extra["enable_thinking"] = enable_thinking
         data = self.template_messages(messages)
         tool_dicts = [dict(t) for t in tools] if tools and self.tools_in_template else None
-        text = render_chat(tokenizer, data, tools=tool_dicts,
-                           add_generation_prompt=add_generation_prompt,
-                           chat_template=self.chat_template, template_kwargs=extra)
+        text: object = render_chat(tokenizer, data, tools=tool_dicts,
+                                   add_generation_prompt=add_generation_prompt,
+                                   chat_template=self.chat_template, template_kwargs=extra)
         if text is None:  # not a tokenizer `render_chat` renders: its own method
             text = tokenizer.apply_chat_template(
                 data,
-                tools=tool_dicts,
+                tools=[dict(t) for t in tools] if tools and self.tools_in_template else None,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
                 chat_template=self.chat_template,

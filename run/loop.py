@@ -36,7 +36,6 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from palaestra.trace_ranges import span
 from palaestra.config import save_resolved
 from palaestra.contracts import Closeable
 from palaestra.run.builders import agent_spec, build_backend, build_engine
@@ -44,6 +43,7 @@ from palaestra.run.config import TrainConfig
 from palaestra.run.engine_sync import EngineSync
 from palaestra.run.run_dir import ConsoleLog, RunDir, check_resume, plot_curves
 from palaestra.run.services import run_env_kwargs, run_services
+from palaestra.trace_ranges import span
 
 if TYPE_CHECKING:
     from palaestra.agents.spec import AgentSpec

@@ -246,8 +246,8 @@ class Router:
             try:
                 return await task
             except asyncio.CancelledError:
-                this = asyncio.current_task()
-                if task not in m.drained or (this is not None and this.cancelling()):
+                cancelling = getattr(asyncio.current_task(), "cancelling", None)
+                if task not in m.drained or (cancelling is not None and cancelling()):
                     raise  # the caller was cancelled (the request with it)
             finally:
                 m.tasks.discard(task)

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from palaestra.trace_ranges import span
-from palaestra.errors import ConfigError, EngineError, MissingExtraError
 from palaestra.engine import EngineUnavailableError, Generation, SamplingParams
+from palaestra.errors import ConfigError, EngineError, MissingExtraError
+from palaestra.trace_ranges import span
 
 if TYPE_CHECKING:
     import aiohttp

@@ -15,8 +15,8 @@ import contextlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from palaestra.trace_ranges import span
 from palaestra.errors import ConfigError
+from palaestra.trace_ranges import span
 
 if TYPE_CHECKING:
     from palaestra.engines.local.batch_sampling import BatchSampler

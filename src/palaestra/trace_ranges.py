@@ -50,7 +50,7 @@ _recording: list[Range] | None = None  # the ranges of the running `record`, els
 
 
 class _Span:
-    __slots__ = ("cause", "start", "sink")
+    __slots__ = ("cause", "sink", "start")
 
     def __init__(self, cause: str, sink: list[Range]) -> None:
         self.cause, self.sink = cause, sink

@@ -20,7 +20,7 @@ def test_padded_tokenizer_decodes_every_id_and_encodes_as_before() -> None:
     text = padded.apply_chat_template([{"role": "user", "content": "What is 12 * 7?"}],
                                       tokenize=False, add_generation_prompt=True)
     assert padded.encode(text) == base.encode(text)  # no merge reaches a reserved entry
-    assert padded.decode([2047, len(base)]) == "[reserved_2047][reserved_%d]" % len(base)
+    assert padded.decode([2047, len(base)]) == f"[reserved_2047][reserved_{len(base)}]"
     assert padded.all_special_ids == base.all_special_ids
     assert TokenCodec(padded).piecewise  # the added tokens stay the template's own
     with pytest.raises(Exception, match="below"):

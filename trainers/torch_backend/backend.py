@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from palaestra.trace_ranges import span
 from palaestra.errors import ConfigError
+from palaestra.trace_ranges import span
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.algorithms.objective import (
     MAX_METRICS,
