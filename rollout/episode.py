@@ -43,7 +43,7 @@ import functools
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from time import perf_counter
+from time import perf_counter, thread_time
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from palaestra.engine import SamplingParams, TokenGenerator
@@ -71,10 +71,7 @@ class EpisodeState:
     aborts: int = 0
     engine_s: float = 0.0
     env_s: float = 0.0
-    # the agent's time: its calls are synchronous (no other coroutine runs inside them), so
-    # their wall time is their CPU time but for OS preemption; a CPU clock read would be a
-    # syscall (~30 us in a Ray worker on the 2-core machine, 4 per env step)
-    agent_s: float = 0.0
+    agent_s: float = 0.0  # CPU time (the agent's calls are synchronous: no queueing in it)
     wall_s: float = 0.0
     stage: str = "env.reset"  # what the episode was doing (named in an error)
     halted_at: int | None = None  # turns played when ``halt_at_turn`` stopped the loop
@@ -270,10 +267,10 @@ class TokenPlayer:
 
     def start(self, observation: Sequence[Message], reset: ResetInfo, st: EpisodeState) -> None:
         st.stage = "agent.start"
-        t = perf_counter()
+        t = thread_time()
         with span("env_agent"):
             self.agent.start(observation, reset.tools)
-        st.agent_s += perf_counter() - t
+        st.agent_s += thread_time() - t
 
     async def act(self, request: EpisodeRequest, st: EpisodeState) -> Move:
         agent = self.agent
@@ -297,10 +294,10 @@ class TokenPlayer:
         gen = await self.engine.generate(agent.input_ids, params, request_id=rid, session_id=sid)
         st.engine_s += perf_counter() - t
         st.stage = "agent.parse"
-        t = perf_counter()
+        t = thread_time()
         with span("env_agent"):
             action = agent.on_generation(gen)  # an aborted turn is continued by the next call
-        st.agent_s += perf_counter() - t
+        st.agent_s += thread_time() - t
         if gen.finish_reason == "abort":
             st.partial_tokens += len(gen.token_ids)
             st.aborts += 1
@@ -312,12 +309,12 @@ class TokenPlayer:
         return Move(action)
 
     def observe(self, observation: Sequence[Message], st: EpisodeState) -> bool:
-        t = perf_counter()
+        t = thread_time()
         try:
             with span("env_agent"):
                 return self.agent.on_observation(observation)
         finally:
-            st.agent_s += perf_counter() - t
+            st.agent_s += thread_time() - t
 
     def outcome(self, request: EpisodeRequest, st: EpisodeState, stop: StopReason) -> Outcome:
         metrics: dict[str, float] = {"agent_s": st.agent_s, "aborts": float(st.aborts),

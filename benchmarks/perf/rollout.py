@@ -73,7 +73,7 @@ async def _run(name: str, pool: Any, worker_config: Any, episodes: int, concurre
     steps = m["episodes/env_steps"]
     worker_cpu = sum(a["cpu_s"] - b["cpu_s"] for a, b in zip(after, before))
     per_step = 1e3 / max(steps, 1)
-    # the agent's time inside the workers is measured (its calls are synchronous); the
+    # the agent's CPU inside the workers is measured exactly (its calls are synchronous); the
     # env's is not separable from event-loop queueing there, so its alone-cost stands in
     agent_ms, env_ms = m.get("time/agent_ms_per_step", 0.0), costs["env_ms_per_step"]
     return {
