@@ -302,7 +302,8 @@ def row(c: dict[str, Any]) -> str:
     if c.get("step_s") is None:
         return f"| {c['shape']} | - | {c['backend']} | {c['mode']} | {c['variant']} | failed |"
     pct = (lambda v: "-" if v is None else f"{100 * v:.1f}%")
-    params = f"{c['params'] / 1e6:.0f}M" if c.get("params") else "-"
+    n = c.get("params")
+    params = "-" if not n else f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
     return (f"| {c['shape']} | {params} | {c['backend']} | {c['mode']} | {c['variant']} | "
             f"{_f(c['step_s'])} | {_f(c['rollout_s'])} | {_f(c['logprobs_s'])} | "
             f"{_f(c['train_s'])} | {_f(c['weight_sync_s'], 3)} | {_f(c['idle_gpu_s'])} | "
