@@ -19,9 +19,14 @@ it needs. ``tests/agents/test_chat_render.py`` holds it equal to ``apply_chat_te
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 _EXACT = (str, int, float, bool, type(None))
+
+
+class _PlainTools(tuple):  # type: ignore[type-arg]
+    """Tool schemas rebuilt from plain JSON types by `plain_tools` (fresh dicts nobody else
+    holds, in an immutable container): rendered as they are, not converted again."""
 
 
 def _transformers_parts() -> tuple[Any, Any, tuple[str, ...]] | None:
@@ -52,6 +57,8 @@ def _plain(value: Any, slow: Any) -> Any:
     kind = type(value)
     if kind in _EXACT:
         return value
+    if kind is _PlainTools:
+        return list(value)
     if kind is dict:
         return {_plain(k, slow): _plain(v, slow) for k, v in value.items()}
     if kind is list:
@@ -59,11 +66,26 @@ def _plain(value: Any, slow: Any) -> Any:
     return slow(value)  # str/int subclasses, tuples, mappings, numpy scalars, objects
 
 
+def plain_tools(tools: Sequence[Mapping[str, Any]]) -> Sequence[dict[str, Any]]:
+    """``tools`` converted once for every render of an episode (an agent renders its tool
+    schemas three times per episode; `render_chat` takes the result as it is)."""
+    parts = _parts()
+    if parts is None:
+        return [dict(t) for t in tools]
+    slow = parts[1]
+    return _PlainTools(_plain(dict(t), slow) for t in tools)
+
+
+def is_plain_tools(tools: object) -> TypeGuard[Sequence[dict[str, Any]]]:
+    """Whether ``tools`` came from `plain_tools`."""
+    return type(tools) is _PlainTools
+
+
 def render_chat(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
     *,
-    tools: list[dict[str, Any]] | None,
+    tools: Sequence[dict[str, Any]] | None,
     add_generation_prompt: bool,
     chat_template: str | None,
     template_kwargs: Mapping[str, Any],
@@ -98,4 +120,4 @@ def render_chat(
     ))
 
 
-__all__ = ["render_chat"]
+__all__ = ["is_plain_tools", "plain_tools", "render_chat"]

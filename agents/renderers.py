@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from palaestra.agents.chat_render import render_chat
+from palaestra.agents.chat_render import is_plain_tools, render_chat
 from palaestra.errors import ConfigError
 from palaestra.tool_parsers import ALIASES as PARSER_ALIASES
 from palaestra.tool_parsers import Parser, get_parser
@@ -87,7 +87,9 @@ class Renderer:
         if enable_thinking is not None:
             extra["enable_thinking"] = enable_thinking
         data = self.template_messages(messages)
-        tool_dicts = [dict(t) for t in tools] if tools and self.tools_in_template else None
+        tool_dicts: Sequence[dict[str, Any]] | None = None
+        if tools and self.tools_in_template:
+            tool_dicts = tools if is_plain_tools(tools) else [dict(t) for t in tools]
         text: object = render_chat(tokenizer, data, tools=tool_dicts,
                                    add_generation_prompt=add_generation_prompt,
                                    chat_template=self.chat_template, template_kwargs=extra)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from palaestra.agents.chat_render import render_chat
+from palaestra.agents.chat_render import plain_tools, render_chat
 from palaestra.agents.codec import TokenCodec
 from palaestra.agents.renderers import get_renderer
 from palaestra.types import Message, ToolCall
@@ -48,6 +48,11 @@ def test_render_chat_equals_apply_chat_template(family, with_tools, thinking, to
                                            add_generation_prompt=prompt, **extra)
             assert fast is not None
             assert fast == slow
+            # an agent's tools, converted once per episode, render the same
+            once = render_chat(tok, data, tools=plain_tools(tools) if tools else None,
+                               add_generation_prompt=prompt, chat_template=None,
+                               template_kwargs=extra)
+            assert once == slow
 
 
 def test_render_chat_declines_what_it_does_not_render(tokenizer):
