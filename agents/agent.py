@@ -32,6 +32,7 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from palaestra.agents.chat_render import plain_tools
 from palaestra.agents.drift import DriftReport, compare_ids
 from palaestra.agents.renderers import Renderer
 from palaestra.agents.templating import ChatTemplate, TemplateDeltaError, TurnMarks
@@ -69,7 +70,7 @@ class Agent:
     ) -> None:
         if int(max_context) < 1:
             raise ConfigError(f"max_context must be a positive token count, got {max_context}")
-        self.template = ChatTemplate(tokenizer, renderer, enable_thinking=enable_thinking)
+        self.template = ChatTemplate.shared(tokenizer, renderer, enable_thinking=enable_thinking)
         self.tokenizer = tokenizer
         self.renderer = self.template.renderer
         self.max_context = int(max_context)
@@ -85,7 +86,7 @@ class Agent:
 
     def _reset(self, tools: Sequence[Mapping[str, Any]]) -> None:
         self.messages: list[Message] = []
-        self.tools: list[dict[str, Any]] = [dict(t) for t in tools]
+        self.tools = [dict(t) for t in tools]
         self.transcript = TokenTranscript()
         self.truncated = False
         self.last_finish_reason: str | None = None
@@ -95,6 +96,17 @@ class Agent:
         self._delta_fallbacks = 0
 
     # ------------------------------------------------------------------ public API
+
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        """The episode's tool schemas (assign a new list to change them)."""
+        return self._tools
+
+    @tools.setter
+    def tools(self, tools: list[dict[str, Any]]) -> None:
+        self._tools = tools
+        # converted once for the episode's renders (three per episode), not on every render
+        self._template_tools = plain_tools(tools)
 
     @property
     def input_ids(self) -> list[int]:
@@ -151,7 +163,7 @@ class Agent:
         self.checks_drift = self.drift_check and (
             self.drift_rate >= 1.0 or self._rng.random() < self.drift_rate
         )
-        ids = self.template.prompt_ids(messages, self.tools)
+        ids = self.template.prompt_ids(messages, self._template_tools)
         self.messages = messages
         self.transcript.append_prompt(ids)
         self.truncated = len(ids) >= self.max_context
@@ -205,7 +217,7 @@ class Agent:
             )
         messages = _as_messages(observation)
         try:
-            delta = self.template.delta(self.messages, messages, self.tools,
+            delta = self.template.delta(self.messages, messages, self._template_tools,
                                         closed=self._turn_closed())
         except TemplateDeltaError:
             self._delta_fallbacks += 1  # the fallback was tried and failed
@@ -232,7 +244,7 @@ class Agent:
         template = self.template
         ends_with_turn = self._awaiting_observation
         try:
-            text = template.render(self.messages, self.tools,
+            text = template.render(self.messages, self._template_tools,
                                    add_generation_prompt=not ends_with_turn)
         except TemplateError as exc:
             n = len(self.transcript)

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from palaestra.agents.chat_render import is_plain_tools, render_chat
 from palaestra.errors import ConfigError
 from palaestra.tool_parsers import ALIASES as PARSER_ALIASES
 from palaestra.tool_parsers import Parser, get_parser
@@ -85,14 +86,22 @@ class Renderer:
         extra: dict[str, Any] = {}
         if enable_thinking is not None:
             extra["enable_thinking"] = enable_thinking
-        text = tokenizer.apply_chat_template(
-            self.template_messages(messages),
-            tools=[dict(t) for t in tools] if tools and self.tools_in_template else None,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            chat_template=self.chat_template,
-            **extra,
-        )
+        data = self.template_messages(messages)
+        tool_dicts: Sequence[dict[str, Any]] | None = None
+        if tools and self.tools_in_template:
+            tool_dicts = tools if is_plain_tools(tools) else [dict(t) for t in tools]
+        text: object = render_chat(tokenizer, data, tools=tool_dicts,
+                                   add_generation_prompt=add_generation_prompt,
+                                   chat_template=self.chat_template, template_kwargs=extra)
+        if text is None:  # not a tokenizer `render_chat` renders: its own method
+            text = tokenizer.apply_chat_template(
+                data,
+                tools=[dict(t) for t in tools] if tools and self.tools_in_template else None,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=self.chat_template,
+                **extra,
+            )
         if not isinstance(text, str):
             raise ConfigError(
                 f"apply_chat_template returned {type(text).__name__}, not text; use a "

@@ -22,10 +22,12 @@ Everything the framework does with a chat template lives here once, for both tok
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from palaestra.agents.codec import codec_for
 from palaestra.agents.renderers import Renderer, get_renderer
 from palaestra.errors import ConfigError, RolloutError
 from palaestra.types import Message
@@ -76,10 +78,33 @@ class ChatTemplate:
         enable_thinking: bool | None = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.codec = codec_for(tokenizer)  # piecewise, cached encoding (shared per tokenizer)
         self.renderer = get_renderer(renderer)
         self.enable_thinking = enable_thinking
         self._marks: TurnMarks | None = None
         self._stop_ids: tuple[int, ...] | None = None
+
+    @classmethod
+    def shared(
+        cls,
+        tokenizer: Tokenizer,
+        renderer: Renderer | str = "qwen",
+        *,
+        enable_thinking: bool | None = None,
+    ) -> ChatTemplate:
+        """The process's one template of (tokenizer, family, thinking): its turn marks are probed
+        once, not once per agent (a rollout worker pools thousands of agents). A template holds
+        no per-episode state, so agents share it."""
+        resolved = get_renderer(renderer)
+        try:
+            by_key = _SHARED.setdefault(tokenizer, {})
+        except TypeError:  # not weak-referenceable
+            return cls(tokenizer, resolved, enable_thinking=enable_thinking)
+        key = (resolved, enable_thinking)
+        template = by_key.get(key)
+        if template is None:
+            template = by_key[key] = cls(tokenizer, resolved, enable_thinking=enable_thinking)
+        return template
 
     # ------------------------------------------------------------------ text <-> ids
     def render(
@@ -98,14 +123,10 @@ class ChatTemplate:
         )
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.codec.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return str(
-            self.tokenizer.decode(
-                list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False
-            )
-        )
+        return self.codec.decode(ids)
 
     def prompt_ids(
         self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]]
@@ -238,5 +259,9 @@ class ChatTemplate:
             )
         return TemplateDelta(ids, True)
 
+
+_SHARED: weakref.WeakKeyDictionary[Any, dict[tuple[Renderer, bool | None], ChatTemplate]] = (
+    weakref.WeakKeyDictionary()
+)
 
 __all__ = ["ChatTemplate", "TemplateDelta", "TemplateDeltaError", "TurnMarks"]

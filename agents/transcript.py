@@ -40,7 +40,7 @@ class TokenTranscript:
 
     def append_context(self, ids: Sequence[int]) -> None:
         """Tokens the policy did not sample (prompt, env/tool/user messages): mask 0."""
-        self.ids.extend(int(i) for i in ids)
+        self.ids.extend(map(int, ids))
         self.mask.extend([0] * len(ids))
         self.logprobs.extend([0.0] * len(ids))
         self.versions.extend([-1] * len(ids))
@@ -63,10 +63,10 @@ class TokenTranscript:
         per_token = [int(versions)] * len(ids) if isinstance(versions, int) else list(versions)
         if len(per_token) != len(ids):
             raise EngineError(f"{len(ids)} sampled tokens but {len(per_token)} weight versions")
-        self.ids.extend(int(i) for i in ids)
+        self.ids.extend(map(int, ids))
         self.mask.extend([1] * len(ids))
-        self.logprobs.extend(float(x) for x in logprobs)
-        self.versions.extend(int(v) for v in per_token)
+        self.logprobs.extend(map(float, logprobs))
+        self.versions.extend(map(int, per_token))
 
     def record_routes(self, routes: Any) -> None:
         """Keep a generation's ``meta["routed_experts"]`` (None: the engine sent none)."""

@@ -164,6 +164,42 @@ class Env(gymnasium.Env[Observation, Message]):
         return [f"missing {', '.join(missing)}"] if missing else []
 
     # ----- gymnasium API ------------------------------------------------------------------
+    #: a reset's seed whose generator is not built yet (see `_seed_lazily`)
+    _pending_seed: int | None = None
+
+    def _seed_lazily(self, seed: int | None) -> None:
+        """gymnasium's ``reset(seed=...)``, with the generator built when first used: a task
+        row given in ``options`` never draws from it, and building one costs ~0.1 ms a reset."""
+        if seed is None:
+            return
+        if type(seed) is not int or seed < 0:
+            super().reset(seed=seed)  # gymnasium's own check and error
+            return
+        self._np_random = None
+        self._pending_seed = seed
+
+    @property
+    def np_random(self) -> np.random.Generator:
+        """The env's generator (gymnasium's), seeded by the last reset's seed."""
+        if self._pending_seed is not None:
+            from gymnasium.utils import seeding
+
+            self._np_random, self._np_random_seed = seeding.np_random(self._pending_seed)
+            self._pending_seed = None
+        return gymnasium.Env.np_random.fget(self)  # type: ignore[attr-defined]
+
+    @np_random.setter
+    def np_random(self, value: np.random.Generator) -> None:
+        self._pending_seed = None
+        gymnasium.Env.np_random.fset(self, value)  # type: ignore[attr-defined]
+
+    @property
+    def np_random_seed(self) -> int:
+        """The seed of `np_random` (gymnasium's)."""
+        if self._pending_seed is not None:
+            return self._pending_seed
+        return int(gymnasium.Env.np_random_seed.fget(self))  # type: ignore[attr-defined]
+
     @property
     def dataset(self) -> Sequence[Mapping[str, Any]]:
         if self._dataset is None:
@@ -173,7 +209,7 @@ class Env(gymnasium.Env[Observation, Message]):
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[Observation, dict[str, Any]]:
-        super().reset(seed=seed)
+        self._seed_lazily(seed)
         task = (options or {}).get("task")
         self.task = dict(task) if task is not None else self.sample_task(self.np_random)
         self.turn = 0

@@ -30,6 +30,14 @@ TRUNCATION_MARKER = "\n...[truncated {n} characters]"
 ToolCallFn = Callable[[ToolCall], Awaitable[tuple[Message, bool]]]
 
 
+async def _within(awaitable: Awaitable[Any], timeout_s: float) -> Any:
+    """``await awaitable`` under a timeout, without the task `asyncio.wait_for` creates (3.11+)."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(timeout_s):
+            return await awaitable
+    return await asyncio.wait_for(awaitable, timeout_s)
+
+
 class ToolRunner(Protocol):
     """Runs a `ToolEnv`'s tool calls (see the module docstring)."""
 
@@ -116,10 +124,10 @@ class ToolEnv(MultiTurnEnv):
                 reward=self.score(action), terminated=True, info=self.answer_info(action)
             )
         runner = self.tool_runner
-        outcomes = await asyncio.gather(*(
-            self.call_tool(c) if runner is None else runner.run(c, self.call_tool)
-            for c in action.tool_calls
-        ))
+        calls = [self.call_tool(c) if runner is None else runner.run(c, self.call_tool)
+                 for c in action.tool_calls]
+        # one call (the common case) is awaited in place: gather would wrap it in a task
+        outcomes = [await calls[0]] if len(calls) == 1 else await asyncio.gather(*calls)
         messages = [m for m, _ in outcomes]
         errors = sum(1 for _, is_error in outcomes if is_error)
         self.consecutive_errors = self.consecutive_errors + 1 if errors else 0
@@ -144,7 +152,7 @@ class ToolEnv(MultiTurnEnv):
             known = ", ".join(sorted(self._tools)) or "(none)"
             raise ToolError(f"unknown tool {call.name!r}; available tools: {known}")
         try:
-            result = await asyncio.wait_for(tool.invoke(call.arguments), self.tool_timeout_s)
+            result = await _within(tool.invoke(call.arguments), self.tool_timeout_s)
         except ToolError:
             raise
         except asyncio.TimeoutError:

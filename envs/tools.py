@@ -9,9 +9,11 @@ non-blocking), returning text or raising `ToolError` with a message meant for th
 from __future__ import annotations
 
 import asyncio
+import copy
 import inspect
 import json
 import re
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, get_type_hints
@@ -89,6 +91,19 @@ class Tool:
     ) -> Tool:
         marks = getattr(fn, "__palaestra_tool__", {})
         tool_name = name or marks.get("name") or fn.__name__
+        is_blocking = marks.get("blocking", True) if blocking is None else blocking
+        summary, model = _described(fn, tool_name)
+        return cls(
+            name=tool_name,
+            description=summary or f"The {tool_name} tool.",
+            function=fn,
+            arguments_model=model,
+            blocking=is_blocking and not inspect.iscoroutinefunction(fn),
+        )
+
+    @staticmethod
+    def _describe(fn: ToolFunction, tool_name: str) -> tuple[str, type[pydantic.BaseModel]]:
+        """The docstring summary and the arguments model of ``fn`` (see `_described`)."""
         summary, arg_docs = _parse_docstring(inspect.getdoc(fn) or "")
         try:
             hints = get_type_hints(fn)
@@ -111,20 +126,17 @@ class Tool:
         model = pydantic.create_model(  # type: ignore[call-overload]
             f"{tool_name}_arguments", __config__=pydantic.ConfigDict(extra="forbid"), **fields
         )
-        is_blocking = marks.get("blocking", True) if blocking is None else blocking
-        return cls(
-            name=tool_name,
-            description=summary or f"The {tool_name} tool.",
-            function=fn,
-            arguments_model=model,
-            blocking=is_blocking and not inspect.iscoroutinefunction(fn),
-        )
+        return summary, model
 
     def schema(self) -> dict[str, Any]:
-        """The OpenAI ``tools[i]`` entry."""
-        params = _strip_titles(self.arguments_model.model_json_schema())
-        params.pop("additionalProperties", None)
-        params.setdefault("properties", {})
+        """The OpenAI ``tools[i]`` entry (a fresh copy: the caller may edit it)."""
+        params = _PARAMETERS.get(self.arguments_model)
+        if params is None:  # pydantic's schema generation costs ~1 ms: once per model
+            params = _strip_titles(self.arguments_model.model_json_schema())
+            params.pop("additionalProperties", None)
+            params.setdefault("properties", {})
+            _PARAMETERS[self.arguments_model] = params
+        params = copy.deepcopy(params)
         return {
             "type": "function",
             "function": {"name": self.name, "description": self.description, "parameters": params},
@@ -165,6 +177,29 @@ class Tool:
     def _example(self) -> str:
         props = self.arguments_model.model_fields
         return json.dumps({k: f"<{k}>" for k in props})
+
+
+# One description per function: every env of a class binds the same tool methods, so their
+# argument models and schemas are built once per process, not once per env instance.
+_DESCRIBED: weakref.WeakKeyDictionary[Any, dict[str, tuple[str, type[pydantic.BaseModel]]]] = (
+    weakref.WeakKeyDictionary()
+)
+_PARAMETERS: weakref.WeakKeyDictionary[type[pydantic.BaseModel], dict[str, Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _described(fn: ToolFunction, tool_name: str) -> tuple[str, type[pydantic.BaseModel]]:
+    """`Tool._describe` of ``fn``, cached per underlying function (a bound method's)."""
+    key = getattr(fn, "__func__", fn)
+    try:
+        by_name = _DESCRIBED.setdefault(key, {})
+    except TypeError:  # not weak-referenceable (a builtin): described every time
+        return Tool._describe(fn, tool_name)
+    found = by_name.get(tool_name)
+    if found is None:
+        found = by_name[tool_name] = Tool._describe(fn, tool_name)
+    return found
 
 
 def collect_tools(obj: object, extra: list[ToolFunction | Tool] | None = None) -> dict[str, Tool]:

@@ -38,6 +38,8 @@ written as a call.
 from __future__ import annotations
 
 import asyncio
+import copy
+import functools
 import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -46,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from palaestra.engine import SamplingParams, TokenGenerator
 from palaestra.episode_info import ResetInfo, StepInfo
+from palaestra.trace_ranges import span
 from palaestra.types import Message, Sample, StopReason, Trajectory, Turn
 
 if TYPE_CHECKING:
@@ -158,8 +161,9 @@ async def play_stepped(request: EpisodeRequest) -> Trajectory:
         if not st.started:
             st.stage = "env.reset"
             t = perf_counter()
-            obs, info = await _bounded(env.areset(seed=request.seed,
-                                                  options=request.reset_options()), timeout_s)
+            with span("env_agent"):
+                obs, info = await _bounded(env.areset(seed=request.seed,
+                                                      options=request.reset_options()), timeout_s)
             st.env_s += perf_counter() - t
             reset = ResetInfo.from_info(info)
             st.task_id = reset.task_id
@@ -179,8 +183,9 @@ async def play_stepped(request: EpisodeRequest) -> Trajectory:
                 break
             st.stage = "env.step"
             t = perf_counter()
-            obs, reward, terminated, truncated, info = await _bounded(env.astep(move.action),
-                                                                      timeout_s)
+            with span("env_agent"):
+                obs, reward, terminated, truncated, info = await _bounded(
+                    env.astep(move.action), timeout_s)
             st.env_s += perf_counter() - t
             value = finite_reward(reward)
             if value is None:
@@ -263,14 +268,13 @@ class TokenPlayer:
     def start(self, observation: Sequence[Message], reset: ResetInfo, st: EpisodeState) -> None:
         st.stage = "agent.start"
         t = thread_time()
-        self.agent.start(observation, reset.tools)
+        with span("env_agent"):
+            self.agent.start(observation, reset.tools)
         st.agent_s += thread_time() - t
 
     async def act(self, request: EpisodeRequest, st: EpisodeState) -> Move:
-        agent, sampling = self.agent, request.sampling
-        stops = tuple(dict.fromkeys((*sampling.stop_token_ids, *agent.stop_token_ids)))
-        base = sampling if stops == sampling.stop_token_ids else replace(
-            sampling, stop_token_ids=stops)
+        agent = self.agent
+        base = _with_stops(request.sampling, agent.stop_token_ids)
         st.stage = "engine"
         budget = agent.remaining_context()
         if budget <= 0:
@@ -280,9 +284,9 @@ class TokenPlayer:
         if turn_budget <= 0:
             return Move(stop=StopReason.MAX_TOKENS)
         max_new = min(turn_budget, budget)
-        params = base if max_new == base.max_new_tokens else replace(base, max_new_tokens=max_new)
+        params = base if max_new == base.max_new_tokens else _evolve(base, max_new_tokens=max_new)
         if base.seed is not None:
-            params = replace(params, seed=base.seed + st.requests)
+            params = _evolve(params, seed=base.seed + st.requests)
         sid = request.session_id
         rid = f"{sid}:{st.requests}" if sid else None
         st.requests += 1
@@ -291,7 +295,8 @@ class TokenPlayer:
         st.engine_s += perf_counter() - t
         st.stage = "agent.parse"
         t = thread_time()
-        action = agent.on_generation(gen)  # an aborted turn is continued by the next call
+        with span("env_agent"):
+            action = agent.on_generation(gen)  # an aborted turn is continued by the next call
         st.agent_s += thread_time() - t
         if gen.finish_reason == "abort":
             st.partial_tokens += len(gen.token_ids)
@@ -306,7 +311,8 @@ class TokenPlayer:
     def observe(self, observation: Sequence[Message], st: EpisodeState) -> bool:
         t = thread_time()
         try:
-            return self.agent.on_observation(observation)
+            with span("env_agent"):
+                return self.agent.on_observation(observation)
         finally:
             st.agent_s += thread_time() - t
 
@@ -335,6 +341,23 @@ class TokenPlayer:
 
 
 # ---------------------------------------------------------------------- helpers
+@functools.lru_cache(maxsize=64)
+def _with_stops(sampling: SamplingParams, stops: tuple[int, ...]) -> SamplingParams:
+    """``sampling`` with the agent's stop tokens added (one per run's settings, not per turn)."""
+    merged = tuple(dict.fromkeys((*sampling.stop_token_ids, *stops)))
+    return sampling if merged == sampling.stop_token_ids else replace(
+        sampling, stop_token_ids=merged)
+
+
+def _evolve(params: SamplingParams, **changes: int) -> SamplingParams:
+    """``params`` with fields changed to values that keep it valid (a token budget >= 1, a
+    seed), without `SamplingParams` validating its every field again on each turn."""
+    out = copy.copy(params)
+    for name, value in changes.items():
+        object.__setattr__(out, name, value)
+    return out
+
+
 def finite_reward(reward: Any) -> float | None:
     """``reward`` as a float, or None when it is not a finite number (NaN, inf, str, None...)."""
     if isinstance(reward, (str, bytes, bytearray)):  # float("1") would accept them

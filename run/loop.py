@@ -43,6 +43,7 @@ from palaestra.run.config import TrainConfig
 from palaestra.run.engine_sync import EngineSync
 from palaestra.run.run_dir import ConsoleLog, RunDir, check_resume, plot_curves
 from palaestra.run.services import run_env_kwargs, run_services
+from palaestra.trace_ranges import span
 
 if TYPE_CHECKING:
     from palaestra.agents.spec import AgentSpec
@@ -350,7 +351,8 @@ class RLRun:
         push: WeightPush = (self.sync if elastic is None else elastic).weights_of(self.backend)
         if self.colocated is not None:  # engine weights back, push, trainer out, KV cache back
             push = self.colocated.around(push)
-        sync_times = await self.manager.update_weights(push=push, version=step + 1)
+        with span("weight_sync"):
+            sync_times = await self.manager.update_weights(push=push, version=step + 1)
         t3 = time.perf_counter()
         record = _step_record(step, batch.metrics, train_metrics, sync_times,
                               rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
@@ -401,7 +403,8 @@ class RLRun:
         from palaestra.trainers.ppo.step import ppo_step, with_reward_kl_logprobs
 
         cfg, backend = self.cfg, self.backend
-        train_batch = TrainBatch.from_samples(samples)
+        with span("trainer_data"):
+            train_batch = TrainBatch.from_samples(samples)
         if self.critic is not None:  # values, GAE, epochs of critic and actor updates
             ppo = await asyncio.to_thread(ppo_step, cfg, backend, self.critic, train_batch, step)
             self.counts["skipped_steps"] += len(ppo.skipped)

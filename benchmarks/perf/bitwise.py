@@ -5,6 +5,11 @@ Launch from the repository root::
 
     python -m palaestra.benchmarks.perf.bitwise --size small --json out.json          # CPU
     python -m palaestra.benchmarks.perf.bitwise --model DIR --device cuda --json out.json
+    python -m palaestra.benchmarks.perf.bitwise --size qwen3-0.6b --device cuda --json out.json
+
+``--size qwen3-0.6b`` builds Qwen3-0.6B's real model card (head_dim 128, the 151,936-entry
+vocabulary: `palaestra.benchmarks.perf.shapes`); ``qwen3-0.6b-legacy`` the shape of the figures
+before 2026-12-04.
 
 For each mode (``default``: each side's fast kernels; ``bitwise``: the shared batch-invariant
 forward, `palaestra.engines.local.bitwise_forward`) it builds a `LocalEngine`, samples
@@ -112,7 +117,9 @@ def measure(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, help="HF model folder (default: build --size)")
-    parser.add_argument("--size", default="small", help="palaestra init-model size to build")
+    parser.add_argument("--size", default="small",
+                        help="a tiny_model size, or a named shape built from its real model "
+                        "card (qwen3-0.6b; qwen3-0.6b-legacy: the shape before 2026-12-04)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -122,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model
         if model is None:
-            from palaestra.tiny_model import build_model
+            from palaestra.benchmarks.perf.shapes import build_shape_model
 
-            model = build_model(Path(tmp) / "model", args.size)
+            model = build_shape_model(args.size, Path(tmp) / "model")
         rows = [measure(model, mode, args) for mode in ("default", "bitwise")]
     default, bitwise = rows
     print(f"{'mode':8} {'engine tok/s':>13} {'train step s':>13} {'max |dlogp|':>12}")

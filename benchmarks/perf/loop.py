@@ -5,12 +5,37 @@ GPU (one H200, megatron-core installed for the megatron cells), from the reposit
     python -m palaestra.benchmarks.perf.loop --device cuda --shapes qwen3-0.6b,qwen3-1.7b \
         --backends torch,megatron --modes sync,async --steps 5 --json loop.json
 
+The issue-45 workload with a trace of one steady step per cell (one H200: every cell in one
+call: the default variant is the embedded engine; the served cells' engine is another process,
+see `palaestra.benchmarks.perf.idle`)::
+
+    python -m palaestra.benchmarks.perf.loop --device cuda --shapes qwen3-0.6b \
+        --backends torch,megatron --modes sync,async --steps 4 --trace \
+        --extra "--engine.max_running 256" \
+        --variant "served=--engine.kind sglang --engine.launch palaestra \
+            --engine.launch_gpus [0] --engine.weight_sync.kind ipc" \
+        --json docs/results/loop_0.6b_trace_<date>.json
+
 CPU (the tiny quickstart model, a small batch; what CI runs so the script cannot rot)::
 
     python -m palaestra.benchmarks.perf.loop --device cpu --json loop_cpu.json
+    python -m palaestra.benchmarks.perf.loop --device cpu --modes sync --trace   # host time
+
+Shapes (`palaestra.benchmarks.perf.shapes`): ``qwen3-0.6b``/``qwen3-1.7b`` are the real model
+cards (head_dim 128, a vocabulary of 151,936: 596M/1.72B parameters) with the quickstart
+tokenizer padded to that vocabulary; ``qwen3-0.6b-legacy``/``qwen3-1.7b-legacy`` the shapes of
+the figures before 2026-12-04 (head_dim 64, a ~760-entry vocabulary: 353M parameters);
+``tiny``, ``10m``... the `palaestra.tiny_model` sizes. The table shows each cell's parameters.
+
+``--trace`` profiles step ``--skip`` (the first steady one) of every cell: a ``torch.profiler``
+trace (CUDA activity on a GPU) written beside the cell as ``trace-step<N>.json.gz``, and the
+step's GPU idle seconds by cause (engine step host time, admission/stop checks, tokenization,
+env and agent, HTTP, trainer data, optimizer, weight sync, and ``other``), from the host ranges
+the code marks (`palaestra.trace_ranges`) against the kernel timeline; without a GPU, the host
+time of the step by the same causes. Printed as a second table, in the JSON as ``trace``.
 
 Each cell is one ``palaestra train configs/quickstart.toml`` run (the issue-22 workload on GPU:
-random-init Qwen3 layer shapes with the quickstart's tokenizer, Calculator env, 32 prompts x 8,
+random-init Qwen3 models with the quickstart's tokenizer, Calculator env, 32 prompts x 8,
 256 new tokens, no warm-up SFT, no evaluation) in its own subprocess, so every cell starts with
 a clean GPU and process group. The child builds the `TrainConfig` exactly as the CLI does
 (`palaestra.config.load_config` on the same overrides), calls `trainers.loop.train`, and
@@ -54,9 +79,8 @@ from typing import Any
 
 DATASHEET_TFLOPS = 989.0
 #: nominal sizes of the named shapes (what "0.6B" means in the issue's MFU figure)
-NOMINAL_PARAMS = {"qwen3-0.6b": 0.6e9, "qwen3-1.7b": 1.7e9, "tiny": None}
-#: layer shapes (hidden, intermediate, layers, heads, kv heads) of shapes `tiny_model` lacks
-EXTRA_SHAPES = {"qwen3-1.7b": (2048, 6144, 28, 16, 8)}
+NOMINAL_PARAMS = {"qwen3-0.6b": 0.6e9, "qwen3-1.7b": 1.7e9, "qwen3-0.6b-legacy": 0.6e9,
+                  "qwen3-1.7b-legacy": 1.7e9, "tiny": None}
 STEP_KEYS = {
     "step_s": "time/step_s", "rollout_s": "time/rollout_s", "train_s": "time/train_s",
     "weight_sync_s": "time/weight_sync_s", "logprobs_s": "train/logprobs_s",
@@ -105,40 +129,13 @@ def cell_overrides(args: argparse.Namespace, backend: str, mode: str, shape: str
 
 
 def ensure_shape_model(shape: str, path: Path) -> Path:
-    """A random-init model of ``shape`` with the quickstart tokenizer at ``path`` (built once)."""
-    if (path / "config.json").is_file():
-        return path
-    from palaestra.tiny_model import SIZES, build_model
+    """A random-init model of ``shape`` at ``path`` (built once): a named shape from its real
+    model card with the padded quickstart tokenizer, ``*-legacy`` the shapes of the figures
+    before 2026-12-04, a `palaestra.tiny_model` size as ``init-model`` builds it
+    (`palaestra.benchmarks.perf.shapes`)."""
+    from palaestra.benchmarks.perf.shapes import build_shape_model
 
-    if shape in SIZES:
-        return build_model(path, shape)
-    if shape not in EXTRA_SHAPES:
-        from palaestra.errors import ConfigError
-
-        raise ConfigError(f"unknown shape {shape!r}: use one of "
-                          f"{sorted(set(SIZES) | set(EXTRA_SHAPES))}")
-    import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from palaestra.tiny_model import build_tokenizer
-
-    hidden, inter, layers, heads, kv = EXTRA_SHAPES[shape]
-    path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    tokenizer.save_pretrained(path)
-    config = Qwen3Config(
-        vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=hidden, intermediate_size=inter,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-        head_dim=hidden // heads, max_position_embeddings=2048, tie_word_embeddings=True,
-        rope_theta=10000.0, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"), bos_token_id=None,
-    )  # type: ignore[call-arg]  # rope_theta: transformers 4's name, which 5 still reads
-    torch.manual_seed(0)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # a 1.7B init on CPU takes minutes
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)  # type: ignore[arg-type]  # transformers' .to stub wants a model
-    model.save_pretrained(path, safe_serialization=True)
-    return path
+    return build_shape_model(shape, path)
 
 
 # ------------------------------------------------------------------------------------- child
@@ -195,6 +192,11 @@ def child(spec_file: Path) -> int:
     from palaestra.run.loop import train
 
     cfg = load_config(TrainConfig, spec["config"], spec["overrides"])
+    traced = None
+    if spec.get("trace_step") is not None:
+        from palaestra.benchmarks.perf.idle import trace_step
+
+        traced = trace_step(int(spec["trace_step"]), spec_file.parent)
     sampler = _Sampler(Path(cfg.out) / "metrics.jsonl")
     sampler.start()
     start = time.perf_counter()
@@ -209,13 +211,17 @@ def child(spec_file: Path) -> int:
     idle = sampler.idle_per_step([r["time/step_s"] for r in rows])
     for r, seconds in zip(rows, idle):
         r["idle_gpu_s"] = seconds
+    if traced is not None:
+        from palaestra.benchmarks.perf.idle import finish
+
+        step = int(spec["trace_step"])
+        step_s = next((r["time/step_s"] for r in rows if r.get("step") == step), None)
+        result["trace"] = finish(traced, step_s)
     import torch
 
-    from palaestra.trainers.megatron.arch import arch_from_hf_config
-    from palaestra.trainers.megatron.flops import param_count
+    from palaestra.benchmarks.perf.shapes import parameter_count
 
-    hf = json.loads((Path(spec["model_dir"]) / "config.json").read_text())
-    result["params"] = param_count(arch_from_hf_config(hf)).total
+    result["params"] = parameter_count(Path(spec["model_dir"]))
     if torch.cuda.is_available():
         result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
@@ -242,7 +248,7 @@ def summarize(raw: dict[str, Any], skip: int, nominal: float | None) -> dict[str
     out["mfu"] = flops / (step_s * DATASHEET_TFLOPS * 1e12) if step_s else None
     if nominal:
         out["mfu_nominal"] = 12 * nominal * tokens / (step_s * DATASHEET_TFLOPS * 1e12)
-    for key in ("peak_allocated_gib", "peak_reserved_gib", "wall_s", "device_name"):
+    for key in ("peak_allocated_gib", "peak_reserved_gib", "wall_s", "device_name", "trace"):
         if key in raw:
             out[key] = raw[key]
     return out
@@ -255,6 +261,7 @@ def run_cell(args: argparse.Namespace, work: Path, backend: str, mode: str, shap
     cell_dir.mkdir(parents=True, exist_ok=True)
     model_dir = ensure_shape_model(shape, work / f"model-{shape}")
     spec = {"config": args.config, "model_dir": str(model_dir),
+            "trace_step": args.skip if args.trace else None,
             "overrides": cell_overrides(args, backend, mode, shape, model_dir,
                                         cell_dir / "run", extra)}
     (cell_dir / "spec.json").write_text(json.dumps(spec))
@@ -285,17 +292,19 @@ def _f(v: Any, digits: int = 2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
-HEADER = ("| shape | backend | mode | variant | step s | rollout s | logprobs s | train s | "
+HEADER = ("| shape | params | backend | mode | variant | step s | rollout s | logprobs s | train s | "
           "sync s | idle GPU s | engine decode / prefill / host s | decode calls | tokens/s | "
           "MFU | MFU (nominal N) | micro-batches | parked | peak GiB |\n"
-          "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
 
 def row(c: dict[str, Any]) -> str:
     if c.get("step_s") is None:
-        return f"| {c['shape']} | {c['backend']} | {c['mode']} | {c['variant']} | failed |"
+        return f"| {c['shape']} | - | {c['backend']} | {c['mode']} | {c['variant']} | failed |"
     pct = (lambda v: "-" if v is None else f"{100 * v:.1f}%")
-    return (f"| {c['shape']} | {c['backend']} | {c['mode']} | {c['variant']} | "
+    n = c.get("params")
+    params = "-" if not n else f"{n / 1e6:.0f}M" if n >= 1e7 else f"{n / 1e6:.2f}M"
+    return (f"| {c['shape']} | {params} | {c['backend']} | {c['mode']} | {c['variant']} | "
             f"{_f(c['step_s'])} | {_f(c['rollout_s'])} | {_f(c['logprobs_s'])} | "
             f"{_f(c['train_s'])} | {_f(c['weight_sync_s'], 3)} | {_f(c['idle_gpu_s'])} | "
             f"{_f(c.get('engine_decode_s'))} / {_f(c.get('engine_prefill_s'))} / "
@@ -303,6 +312,24 @@ def row(c: dict[str, Any]) -> str:
             f"{_f(c['tokens_per_s'], 0)} | {pct(c['mfu'])} | {pct(c.get('mfu_nominal'))} | "
             f"{_f(c['micro_batches'], 0)} | {_f(c['parked'], 0)} | "
             f"{_f(c.get('peak_allocated_gib'), 1)} |")
+
+
+def trace_rows(cells: list[dict[str, Any]]) -> list[str]:
+    """The traced step of each cell (``--trace``): GPU busy/idle, and idle seconds by cause."""
+    from palaestra.trace_ranges import CAUSES
+
+    names = [*CAUSES, "other"]
+    lines = ["| cell | traced step s | GPU busy s | idle s | " + " | ".join(names) + " |",
+             "|---|---:|---:|---:|" + "---:|" * len(names)]
+    for c in cells:
+        t = c.get("trace")
+        if not t:
+            continue
+        by = t["idle_by_cause_s"]
+        lines.append(f"| {c['name']} | {t['step_s']:.3f} | {t['gpu_busy_s']:.3f} | "
+                     f"{t['gpu_idle_s']:.3f} | " + " | ".join(f"{by[n]:.3f}" for n in names)
+                     + " |")
+    return lines if len(lines) > 2 else []
 
 
 def verdicts(cells: list[dict[str, Any]]) -> list[str]:
@@ -357,6 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-runs", action="store_true",
                    help="keep each cell's run directory (checkpoints, exported model)")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--trace", action="store_true",
+                   help="profile the first steady step (step --skip) of every cell: a "
+                   "torch.profiler trace beside the cell and its idle time by cause")
     args = p.parse_args(argv)
     if args.child:
         return child(Path(args.child))
@@ -377,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + HEADER)
     for c in cells:
         print(row(c))
+    traced = trace_rows(cells)
+    if traced:
+        print("\nGPU idle seconds of the traced step by cause (host seconds without a GPU):")
+        print("\n".join(traced))
     for line in lines:
         print(line)
     write_json(args, cells, lines)

@@ -96,7 +96,10 @@ def _variant(spec: str) -> tuple[str, dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="qwen3-0.6b", help="tiny_model size or qwen3-1.7b")
+    parser.add_argument("--shape", default="qwen3-0.6b",
+                        help="a named shape built from its real model card (qwen3-0.6b, "
+                        "qwen3-1.7b), its *-legacy shape (the figures before 2026-12-04), or "
+                        "a tiny_model size")
     parser.add_argument("--seqs", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=90)
     parser.add_argument("--max-len", type=int, default=346)

@@ -142,7 +142,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=None, help="default: 128 (cpu), 256 (cuda)")
-    parser.add_argument("--size", default=None, help="default: 10m (cpu), qwen3-0.6b (cuda)")
+    parser.add_argument("--size", default=None,
+                        help="default: 10m (cpu), qwen3-0.6b (cuda: the real model card; "
+                        "qwen3-0.6b-legacy: the shape of the figures before 2026-12-04)")
     parser.add_argument("--lr", type=float, default=None, help="default: 1e-4 (cpu), 1e-5 (cuda)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--trl-python", default=sys.executable)
@@ -154,10 +156,13 @@ def main() -> int:
     args.size = args.size or ("qwen3-0.6b" if gpu else "10m")
     args.lr = args.lr or (1e-5 if gpu else 1e-4)
 
-    from palaestra.tiny_model import build_model
+    from palaestra.benchmarks.perf.shapes import build_shape_model
 
     work = Path(tempfile.mkdtemp(prefix="vs_trl_"))
-    model_dir = build_model(work / "model", args.size, max_position_embeddings=2048 if gpu else 1024)
+    # a named shape from its real model card (the padded quickstart tokenizer), *-legacy the
+    # shapes of the figures before 2026-12-04, else a tiny_model size
+    model_dir = build_shape_model(args.size, work / "model",
+                                  max_position_embeddings=2048 if gpu else 1024)
     (work / "bench_digits.py").write_text(ENV_MODULE)
     config = work / "palaestra.toml"
     config.write_text(f'''

@@ -28,6 +28,10 @@ from palaestra.errors import EngineError
 from palaestra.engine import Engine, EngineUnavailableError, Generation, SamplingParams
 
 
+#: Python 3.11+: a task tells whether it is being cancelled itself (`asyncio.Task.cancelling`)
+_CANCELLING = hasattr(asyncio.Task, "cancelling")
+
+
 @dataclass(eq=False)
 class _Member:
     engine: Engine
@@ -37,6 +41,16 @@ class _Member:
     served: int = 0
     failures: int = 0
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # a drain gave up on it
+    # the generate tasks on it, and those a drain cancelled (they move to another engine)
+    tasks: set[asyncio.Future[Generation]] = field(default_factory=set)
+    drained: set[asyncio.Future[Generation]] = field(default_factory=set)
+
+    def give_up(self) -> None:
+        """A drain gave up on this engine: its generate calls move to another engine."""
+        self.gone.set()
+        for task in self.tasks:
+            self.drained.add(task)
+            task.cancel()
 
 
 class Router:
@@ -111,7 +125,7 @@ class Router:
             loop_time = asyncio.get_running_loop().time()
         left = m.outstanding
         if left:
-            m.gone.set()  # the generate calls still on it move to another engine
+            m.give_up()  # the generate calls still on it move to another engine
             while m.outstanding > 0:
                 await asyncio.sleep(poll_s)
         self._served_by_gone[m.name] += m.served - served
@@ -226,6 +240,22 @@ class Router:
         """``m``'s generation, or None when a drain of ``m`` gave up on it first."""
         task = asyncio.ensure_future(m.engine.generate(
             input_ids, sampling, request_id=request_id, session_id=session_id))
+        if _CANCELLING and not m.gone.is_set():
+            # the drain cancels the task itself (`_Member.give_up`): no waiter task per request
+            m.tasks.add(task)
+            try:
+                return await task
+            except asyncio.CancelledError:
+                cancelling = getattr(asyncio.current_task(), "cancelling", None)
+                if task not in m.drained or (cancelling is not None and cancelling()):
+                    raise  # the caller was cancelled (the request with it)
+            finally:
+                m.tasks.discard(task)
+                m.drained.discard(task)
+            if request_id is not None:  # best effort: free the drained engine's slot
+                with contextlib.suppress(Exception):
+                    await m.engine.abort([request_id])
+            return None
         waiter = asyncio.ensure_future(m.gone.wait())
         try:
             await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)

@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from palaestra.errors import ConfigError, EngineError, MissingExtraError
 from palaestra.engine import EngineUnavailableError, Generation, SamplingParams
+from palaestra.errors import ConfigError, EngineError, MissingExtraError
+from palaestra.trace_ranges import span
 
 if TYPE_CHECKING:
     import aiohttp
@@ -154,7 +155,8 @@ class SGLangClient:
             if lora is not None:
                 payload["lora_path"] = lora
             try:
-                out = await self.request("POST", "/generate", payload, retries=0)
+                with span("http_serialization"):  # the round trip (finer causes win inside)
+                    out = await self.request("POST", "/generate", payload, retries=0)
             except EngineUnavailableError as exc:
                 last = exc
                 continue

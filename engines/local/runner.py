@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import ConfigError
+from palaestra.trace_ranges import span
 
 if TYPE_CHECKING:
     from palaestra.engines.local.batch_sampling import BatchSampler
@@ -108,7 +109,8 @@ class ModelRunner:
         import torch
 
         def call() -> Any:
-            with torch.inference_mode(), self.on_stream(), _attention_backends(self.device):
+            with span("engine_step"), torch.inference_mode(), self.on_stream(), \
+                    _attention_backends(self.device):
                 return fn(*args)
 
         if self._executor is None:

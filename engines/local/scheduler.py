@@ -24,6 +24,7 @@ from palaestra.errors import EngineError
 from palaestra.engine import EngineUnavailableError, Generation, SamplingParams
 from palaestra.engines.local.admission import admit
 from palaestra.engines.local.request import LocalRequest, StreamChunk
+from palaestra.trace_ranges import span
 
 if TYPE_CHECKING:
     from palaestra.contracts import Tokenizer
@@ -214,11 +215,12 @@ class Scheduler:
                 async with self.lock:
                     if self.paused:
                         continue
-                    self._reap_aborted()
-                    admitted = admit(self.waiting, len(self.running),
-                                     max_running=self.max_running,
-                                     max_prefill_tokens=self.max_prefill_tokens,
-                                     cache=self.slots.prefix_cache)
+                    with span("admission_stop"):
+                        self._reap_aborted()
+                        admitted = admit(self.waiting, len(self.running),
+                                         max_running=self.max_running,
+                                         max_prefill_tokens=self.max_prefill_tokens,
+                                         cache=self.slots.prefix_cache)
                     if admitted:
                         await self._step(self.runner.prefill, admitted)
                     if self.running and not self.paused:
@@ -250,7 +252,8 @@ class Scheduler:
         finally:
             timer = "prefill_s" if kind == self.runner.prefill else "decode_s"
             self.timers[timer] += time.perf_counter() - began
-        self._after_step(reqs, tokens, logprobs)
+        with span("admission_stop"):  # the tokens' stop checks, retiring finished requests
+            self._after_step(reqs, tokens, logprobs)
 
     def _reap_aborted(self) -> None:
         self._retire_many([(r, "abort", {"type": "abort", "message": r.abort_message or ""})

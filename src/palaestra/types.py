@@ -9,6 +9,7 @@ Shape suffixes follow the tinker-cookbook convention: ``_T`` per token.
 from __future__ import annotations
 
 import enum
+import itertools
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -219,8 +220,7 @@ class Sample:
     @property
     def min_version(self) -> int:
         """Oldest policy version among sampled tokens (-1 when nothing was sampled)."""
-        sampled = [v for v, m in zip(self.versions_T, self.loss_mask_T) if m]
-        return min(sampled) if sampled else -1
+        return min(itertools.compress(self.versions_T, self.loss_mask_T), default=-1)
 
     def with_advantage(self, advantage: float) -> Sample:
         return replace(self, advantage=float(advantage))

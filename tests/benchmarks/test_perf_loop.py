@@ -40,7 +40,7 @@ def test_cpu_matrix_runs_the_training_loop(tmp_path: Path, monkeypatch: pytest.M
         assert not (tmp_path / "w" / cell["name"] / "run").exists()  # checkpoints removed
     assert len(result["verdicts"]) == 1 and "async" in result["verdicts"][0]
     printed = capsys.readouterr().out
-    assert "| tiny | torch | sync | default |" in printed
+    assert "| tiny | 0.49M | torch | sync | default |" in printed  # the parameters shown
     assert os.environ["OMP_NUM_THREADS"] == "1"
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from palaestra.errors import ConfigError
+from palaestra.trace_ranges import span
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.algorithms.objective import (
     MAX_METRICS,
@@ -525,10 +526,11 @@ class TorchBackend:
         if not (loss_cfg.tis_cap is not None or loss_cfg.objective == "rl"):
             fields.pop("rollout_logprobs", None)
         seq_fields = sequence_fields(batch.num_sequences, loss_cfg, critic=self.config.critic)
-        micro = make_micro_batches(
-            batch, self.config.max_tokens_per_micro_batch, pack=self.config.pack_sequences,
-            fields=fields, seq_fields=seq_fields, subset=self._rank_subset(batch),
-        )
+        with span("trainer_data"):
+            micro = make_micro_batches(
+                batch, self.config.max_tokens_per_micro_batch, pack=self.config.pack_sequences,
+                fields=fields, seq_fields=seq_fields, subset=self._rank_subset(batch),
+            )
         steps = all_reduce_max_int(len(micro), self.dist)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -537,16 +539,20 @@ class TorchBackend:
             if self.fsdp:
                 self.model.set_requires_gradient_sync(i == steps - 1)  # type: ignore[operator]
             if i < len(micro):
-                mb = micro[i].to(self.device)
-                loss, metrics = self._micro_loss(mb, loss_cfg)
+                with span("trainer_data"):
+                    mb = micro[i].to(self.device)
+                with span("train_compute"):
+                    loss, metrics = self._micro_loss(mb, loss_cfg)
             else:  # this rank ran out of data: a zero-loss forward/backward keeps FSDP in step
                 logits, _ = self._run_model(self.model, self._dummy_micro_batch().to(self.device))
                 loss, metrics = logits.float().sum() * 0.0, {}
             # FSDP2 averages gradients over ranks; the weights already sum to the batch loss
-            (loss * self.dist.world_size).backward()
+            with span("train_compute"):
+                (loss * self.dist.world_size).backward()
             for k, v in metrics.items():
                 sums[k] = merge_metric(k, sums[k], float(v))
-        grad_norm = self._clip_and_step()
+        with span("optimizer"):
+            grad_norm = self._clip_and_step()
         maxima = {k: sums.pop(k) for k in MAX_METRICS if k in sums}
         result = all_reduce_sum(dict(sums), self.dist)
         result.update(all_reduce_max(maxima, self.dist))
