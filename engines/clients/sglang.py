@@ -558,13 +558,15 @@ class SGLangEngine:
         log = self.log_dir / "sglang-router.log" if self.log_dir else None
         try:
             process = await SGLangRouterProcess(urls, log_path=log,
-                                                extra_args=self.router_args).start()
+                                                extra_args=self.router_args
+                                                ).start(ServerProcess)
         except BaseException:
             for p in self.processes:
                 p.stop()
             self.processes = []
             raise
-        return SGLangRouted(process, self.clients)
+        front = SGLangClient(process.url, retries=0, request_timeout_s=3600.0)
+        return SGLangRouted(process, self.clients, front)
 
     def _engine(self) -> Any:
         if self._target is None:

@@ -82,9 +82,10 @@ class SGLangRouterProcess:
                 "--health-failure-threshold", str(self.health_failures),
                 "--health-success-threshold", "1", "--log-level", "warn", *self.extra_args]
 
-    async def start(self, timeout_s: float = 60.0) -> SGLangRouterProcess:
-        """Launch the router; returns once it routes to every worker it was given."""
-        from palaestra.engines.clients.sglang import ServerProcess
+    async def start(self, process_type: type[ServerProcess], timeout_s: float = 60.0
+                    ) -> SGLangRouterProcess:
+        """Launch the router as a ``process_type`` (the SGLang client's `ServerProcess`, passed
+        in so this module never imports the client's); returns once it routes to every worker."""
         from palaestra.engines.weights.weight_transfer import free_port
 
         require_router()
@@ -92,7 +93,7 @@ class SGLangRouterProcess:
         self.url = f"http://127.0.0.1:{port}"
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.process = ServerProcess(self.argv(port, free_port()), self.url,
+        self.process = process_type(self.argv(port, free_port()), self.url,
                                      log_path=self.log_path)
         try:
             await self.process.wait_ready(timeout_s)
@@ -182,15 +183,14 @@ class SGLangRouterProcess:
 class SGLangRouted:
     """An `Engine` over SGLang's router and the worker clients behind it (module docstring)."""
 
-    def __init__(self, router: SGLangRouterProcess, clients: Sequence[SGLangClient], *,
-                 retries: int = 8, backoff_s: float = 0.25, max_backoff_s: float = 2.0,
-                 request_timeout_s: float | None = 3600.0) -> None:
-        from palaestra.engines.clients.sglang import SGLangClient
-
+    def __init__(self, router: SGLangRouterProcess, clients: Sequence[SGLangClient],
+                 front: SGLangClient, *, retries: int = 8, backoff_s: float = 0.25,
+                 max_backoff_s: float = 2.0) -> None:
         self.router = router
         self.clients = list(clients)
-        #: generation through the router; its own retries stay off (they are counted here)
-        self.front = SGLangClient(router.url, retries=0, request_timeout_s=request_timeout_s)
+        #: generation through the router (a client of ``router.url`` whose own retries are off:
+        #: they are counted here)
+        self.front = front
         self.retries = retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
