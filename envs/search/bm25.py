@@ -164,7 +164,11 @@ class BM25Retriever(Retriever):
             tokens = self._tokenizer.tokenize(
                 queries, update_vocab=False, show_progress=False, return_as="string"
             )
-            indices, scores = self._model.retrieve(tokens, k=k, show_progress=False, n_threads=1)
+            # numpy's top-k, as on any machine without JAX: bm25s' "auto" takes JAX where it is
+            # installed, which initialises CUDA and fails where the trainer holds the GPU's memory
+            # (seen on an H100 host: the retriever died, the run with it)
+            indices, scores = self._model.retrieve(tokens, k=k, show_progress=False, n_threads=1,
+                                                   backend_selection="numpy")
         # a document with score 0 shares no term with the query (BM25's idf is positive): an
         # empty, stop-word-only or unknown-word query has no hits, not k arbitrary documents
         return [
