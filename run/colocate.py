@@ -5,9 +5,9 @@ Each sync-mode RL step switches twice (`ColocatedPhases`):
 - rollout -> train (`to_train`): the engine frees its KV cache and moves its weights off the
   GPU (`LocalEngine.release_memory`, SGLang's ``/release_memory_occupation``), the trainer brings
   its parameters, gradients and optimizer state back (``onload``);
-- train -> rollout (`around(push)`, the weight push of the step): the engine takes its weights
-  back, the new weights go in, the trainer moves its state to host memory (``offload``), the
-  engine reallocates its KV cache.
+- train -> rollout (`to_rollout`, around the weight push of the step): the engine takes its
+  weights back, the new weights go in, the trainer moves its state to host memory (``offload``),
+  the engine reallocates its KV cache.
 
 Memory is measured at the end of each phase and logged with the step (`metrics`):
 ``memory/rollout_gib`` and ``memory/train_gib`` (GPU memory allocated by this process, and
@@ -24,15 +24,11 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from palaestra.contracts import MemoryReporting, Offloadable
 from palaestra.engine import MemoryReleasing
 from palaestra.trainers.memory import GIB, device_state_bytes, gpu_memory
-
-if TYPE_CHECKING:
-    from palaestra.engines.weights.push import WeightPush
 
 
 def engine_device_bytes(engine: object) -> int | None:
@@ -129,17 +125,14 @@ class ColocatedPhases:
         self.switches += 1
         self._record["time/to_train_s"] = time.perf_counter() - start
 
-    def around(self, push: WeightPush) -> WeightPush:
-        """The step's weight push as the train -> rollout switch."""
-        return _SwitchingPush(self, push)
-
-    async def to_rollout(self, push: WeightPush, version: int) -> None:
-        """Train -> rollout: engine weights back, the new weights pushed, the trainer to host
-        memory, then the engine's KV cache."""
+    @asynccontextmanager
+    async def to_rollout(self) -> AsyncIterator[None]:
+        """Train -> rollout around the step's weight push: the engine's weights back before
+        it, then the trainer to host memory and the engine's KV cache back."""
         start = time.perf_counter()
         self._measure("train")
         await self._engine_memory(release=False, tags=("weights",))
-        await push.push(version)
+        yield
         await asyncio.to_thread(self._offload)
         await self._engine_memory(release=False, tags=("kv_cache",))
         self.phase = "rollout"
@@ -167,15 +160,6 @@ class ColocatedPhases:
 
     def metrics(self) -> dict[str, float]:
         return {**self._record, "memory/phase_switches": float(self.switches)}
-
-
-@dataclass(frozen=True)
-class _SwitchingPush:
-    phases: ColocatedPhases
-    inner: WeightPush
-
-    async def push(self, version: int) -> None:
-        await self.phases.to_rollout(self.inner, version)
 
 
 __all__ = ["ColocatedPhases", "engine_device_bytes"]

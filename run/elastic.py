@@ -48,12 +48,12 @@ from urllib.parse import urlsplit
 from palaestra.errors import ConfigError, EngineError, PalaestraError
 
 if TYPE_CHECKING:
-    from palaestra.contracts import WeightSource
     from palaestra.run.engine_actors import EngineGroup
     from palaestra.engines.clients.router import Router
     from palaestra.engines.clients.sglang_router import SGLangRouted
     from palaestra.rollout.manager import RolloutManager
     from palaestra.run.engine_sync import EngineSync
+    from palaestra.run.weight_pushes import SyncPush
 
 ADMIN_FILE = "admin.json"
 TOKEN_FILE = "admin.token"
@@ -204,15 +204,17 @@ class ElasticEngines:
                                   f"run's policy has {hidden}; start it with the run's model "
                                   f"({self.policy_path})")
 
-    async def apply_joins(self, backend: WeightSource, version: int, step: int) -> list[str]:
+    async def apply_joins(self, push: SyncPush, version: int, step: int) -> list[str]:
         """At a step boundary (nothing trains): the waiting servers get the current weights
         at ``version`` and join the router; returns the URLs that joined."""
         self.version, self.step = version, step
+        from palaestra.run.weight_pushes import push_to_joining
+
         joins, self._joins = self._joins, []
         joined = []
         for join in joins:
             try:
-                stats = await self.sync.push_to(join.client, backend, version)
+                stats = await push_to_joining(push, join.client, version)
                 info = await join.client.get_model_info()
                 if join.client.weight_version != version:
                     raise EngineError(f"{join.client.url} reports weight version "
@@ -298,10 +300,6 @@ class ElasticEngines:
         for client in retired:
             await client.close()
 
-    def weights_of(self, backend: WeightSource) -> _ElasticPush:
-        """The run's `WeightPush`, after `settle`."""
-        return _ElasticPush(self, backend)
-
     # ---------------------------------------------------------------------- reporting
     def metrics(self) -> dict[str, float]:
         """The router's ``engines/*`` (with Ray workers: the requests their routers served
@@ -353,17 +351,6 @@ class ElasticEngines:
             if not join.done.done():
                 join.done.set_exception(EngineError(
                     f"the run ended before {join.client.url} could join"))
-
-
-@dataclass(frozen=True)
-class _ElasticPush:
-    elastic: ElasticEngines
-    backend: WeightSource
-
-    async def push(self, version: int) -> None:
-        await self.elastic.settle()
-        await self.elastic.sync.push_now(self.backend, version)
-        self.elastic.version = version
 
 
 async def _done(result: object) -> None:

@@ -31,7 +31,7 @@ import json
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from palaestra.rollout.manager import RolloutBatch, RolloutManager
     from palaestra.run.placement import RunPlan
     from palaestra.rollout.rewards.worker import RewardClient
-    from palaestra.engines.weights.push import WeightPush
+    from palaestra.run.weight_pushes import SyncPush
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.run.elastic import AdminServer, ElasticEngines
@@ -208,10 +208,11 @@ class RLRun:
     def __init__(self, cfg: TrainConfig, run: RunDir, policy_path: Path, spec: AgentSpec,
                  engine: LocalEngine | SGLangEngine, sync: EngineSync, *,
                  backend: TrainerBackend[TrainBatch, LossConfig], critic: Any,
-                 manager: RolloutManager, rewards: RewardClient | None,
+                 push: SyncPush, manager: RolloutManager, rewards: RewardClient | None,
                  server: RunningServer | None) -> None:
         self.cfg, self.run, self.policy_path, self.spec = cfg, run, policy_path, spec
         self.engine, self.sync, self.backend, self.critic = engine, sync, backend, critic
+        self.push = push  # the backend's weights to the engines, by the run's one path
         self.manager, self.rewards, self.server = manager, rewards, server
         self.counts: Counter[str] = Counter()  # skipped optimizer steps, failed episodes (run)
         self.progress: _Progress | None = None
@@ -270,8 +271,11 @@ class RLRun:
             print(f"[rl] rollout.over_sampling = {r.over_sampling} draws nothing ahead in sync "
                   "mode (exact batches: groups drawn ahead would finish by timing); it applies "
                   "in async mode", flush=True)
+        from palaestra.run.weight_pushes import build_push
+
         rl = cls(cfg, run, policy_path, spec, engine, sync, backend=backend, critic=critic,
-                 manager=manager, rewards=rewards, server=server)
+                 push=build_push(sync, backend), manager=manager, rewards=rewards,
+                 server=server)
         rl.teacher = _load_teacher(cfg, backend)
         from palaestra.run.parity import ParityCheck
 
@@ -292,11 +296,11 @@ class RLRun:
             if self.critic is not None:
                 self.critic.load(latest / "critic")
             self.manager.load_state_dict(cast("dict[str, Any]", state["rollout"]))
-            await self.sync.push_now(backend, start_step)
+            await self.push.push(start_step)
             run.truncate_metrics_after("rl", start_step - 1)
             print(f"resumed RL from {latest.name} (step {start_step})", flush=True)
         elif self.engine.weight_version != 0 or cfg.engine.kind == "sglang":
-            await self.sync.push_now(backend, 0)  # servers may hold anything: the policy
+            await self.push.push(0)  # servers may hold anything: the policy
         return start_step
 
     async def start(self, start_step: int) -> None:
@@ -332,7 +336,7 @@ class RLRun:
         checkpoint."""
         cfg, run, elastic = self.cfg, self.run, self.elastic
         if elastic is not None:  # joining engines get the weights of version `step`
-            await elastic.apply_joins(self.backend, version=step, step=step)
+            await elastic.apply_joins(self.push, version=step, step=step)
         t0 = time.perf_counter()
         batch = await self.manager.generate_batch(step)
         # rollout/full_vocab_*: both sides still hold the weights that sampled the batch
@@ -348,16 +352,13 @@ class RLRun:
             train_batch, step)
         train_metrics, mismatch = _split_mismatch(train_metrics, ppo)
         t2 = time.perf_counter()
-        push: WeightPush = (self.sync if elastic is None else elastic).weights_of(self.backend)
-        if self.colocated is not None:  # engine weights back, push, trainer out, KV cache back
-            push = self.colocated.around(push)
         with span("weight_sync"):
-            sync_times = await self.manager.update_weights(push=push, version=step + 1)
+            sync_times = await self._push_weights(step + 1)
         t3 = time.perf_counter()
         record = _step_record(step, batch.metrics, train_metrics, sync_times,
                               rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
                               warmup_steps=cfg.warmup.steps)
-        record.update(self.sync.metrics())
+        record.update(self.push.metrics())
         record.update(mismatch)  # rollout/logprob_{max,mean}_abs_diff
         record.update(parity)  # rollout/full_vocab_{logprob_max_abs_diff,tv,...}
         record.update(self._distill)  # distill/reverse_kl (with a teacher)
@@ -381,6 +382,20 @@ class RLRun:
                 and step + 1 < cfg.trainer.steps:
             await evaluate_stage(cfg, run, self.engine, self.spec, f"step-{step + 1}", step + 1)
         await self.checkpoint(step + 1)
+
+    async def _push_weights(self, version: int) -> dict[str, float]:
+        """The backend's weights to the engines as ``version`` while the rollout manager holds
+        generation paused; the time of each phase (``pause_s``, ``push_s``, ``resume_s``)."""
+        elastic, colocated = self.elastic, self.colocated
+        async with self.manager.weights_paused(version) as times:
+            # colocated: engine weights back, push, trainer out, KV cache back
+            async with colocated.to_rollout() if colocated is not None else nullcontext():
+                if elastic is not None:  # servers that stopped answering leave first
+                    await elastic.settle()
+                await self.push.push(version)
+                if elastic is not None:
+                    elastic.version = version
+        return times
 
     def _engine_deltas(self) -> dict[str, float]:
         """The embedded engine's scheduler this step (``engine/decode_s``, ``engine/host_s``,
@@ -760,12 +775,12 @@ async def _train(cfg: TrainConfig, run: RunDir) -> dict[str, Any]:
 
             if isinstance(engine, SGLangEngine):  # engine.kind = "sglang": attach / launch
                 await engine.start()
-            sync = EngineSync.from_config(engine_cfg, engine, model_path, out=cfg.out,
-                                          colocate=cfg.placement is not None
-                                          and cfg.placement.colocate)
             # LoRA with SGLang servers: adapters over /load_lora_adapter when this process's
             # engine makes the requests (Ray workers' clients get the merged weights)
-            sync.lora_servers = cfg.rollout.cluster == "local"
+            sync = EngineSync.from_config(engine_cfg, engine, model_path, out=cfg.out,
+                                          colocate=cfg.placement is not None
+                                          and cfg.placement.colocate,
+                                          lora_servers=cfg.rollout.cluster == "local")
             if not run.has_eval("init"):
                 await evaluate_stage(cfg, run, engine, spec, "init")
             policy_path = model_path

@@ -216,7 +216,7 @@ class Engine(TokenGenerator, Protocol):
 
 # ---------------------------------------------------------------------- capabilities
 # What an engine can do beyond `Engine`, checked once with ``isinstance`` where a run is built
-# (e.g. `palaestra.run.engine_sync.choose_push`), never probed with ``hasattr`` per call.
+# (e.g. `palaestra.run.weight_pushes.build_push`), never probed with ``hasattr`` per call.
 
 
 @runtime_checkable
@@ -248,6 +248,24 @@ class MemoryReleasing(Protocol):
     async def resume_memory(self, tags: Sequence[str] | None = None) -> None: ...
 
 
+@runtime_checkable
+class UpdatesInPlace(Protocol):
+    """Applies ``update_weights`` between two decode steps while requests keep running (the
+    embedded engine): a rollout manager need not park in-flight episodes around a push, they
+    go on and record the version change in their tokens' spans."""
+
+    updates_in_place: bool
+
+
+@runtime_checkable
+class OnDevice(Protocol):
+    """Computes in this process on ``device`` in ``dtype`` (the embedded engine): a weight
+    push hands it tensors there."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+
 __all__ = [
     "AdapterHost",
     "AdapterServing",
@@ -255,6 +273,8 @@ __all__ = [
     "EngineUnavailableError",
     "Generation",
     "MemoryReleasing",
+    "OnDevice",
     "SamplingParams",
     "TokenGenerator",
+    "UpdatesInPlace",
 ]

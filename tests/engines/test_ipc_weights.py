@@ -221,6 +221,7 @@ async def test_engine_sync_ipc_from_a_torch_backend(model: Path, server: str,
     from palaestra.engines.weights.weight_transfer import IpcWeightSender
     from palaestra.run.config import TrainConfig
     from palaestra.run.engine_sync import EngineSync
+    from palaestra.run.weight_pushes import build_push
     from palaestra.trainers.torch_backend.backend import TorchBackend
     from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
@@ -238,8 +239,9 @@ async def test_engine_sync_ipc_from_a_torch_backend(model: Path, server: str,
         assert sync.method == "ipc" and isinstance(sync.sender, IpcWeightSender)
         assert sync.bucket_bytes == 1 << 20
         sync.bucket_bytes = 32 << 10  # the micro model is ~130 KB: several buckets
-        stats = await sync.push_now(backend, version=31)
-        assert stats.num_buckets > 1 and sync.metrics()["sync/unflushed_servers"] == 0.0
+        push = build_push(sync, backend)
+        stats = await push.push(31)
+        assert stats.num_buckets > 1 and push.metrics()["sync/unflushed_servers"] == 0.0
         want = backend.state_dict_for_engines(device="cpu")
         client = engine.clients[0]
         assert (await client.get_model_info())["weight_version"] == "31"

@@ -119,6 +119,7 @@ async def test_rank_zero_pushes_to_servers_without_the_driver(model, server, ray
                                                              tmp_path):
     from palaestra.trainers.group.group import TrainerGroup
     from palaestra.trainers.group.push import EnginePushSpec
+    from palaestra.run.weight_pushes import GroupPush, build_push, push_to_joining
     from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
 
     cfg = TorchBackendConfig(device="cpu", dtype="float32", lr=1e-2, pack_sequences=False)
@@ -138,10 +139,12 @@ async def test_rank_zero_pushes_to_servers_without_the_driver(model, server, ray
             await engine.start()
             sync = make_sync()
             try:
-                stats = await sync.push_now(group, version)
-                assert sync.group_pushes == 1 and group.weight_relays == 0
+                push = build_push(sync, group)
+                stats = await push.push(version)
+                assert isinstance(push, GroupPush) and push.pushes == 1
+                assert group.weight_relays == 0
                 assert group.last_push is not None and group.last_push["pid"] == rank0_pid
-                assert stats.num_bytes > 0 and sync.metrics()["sync/gbytes"] > 0
+                assert stats.num_bytes > 0 and push.metrics()["sync/gbytes"] > 0
                 assert engine.weight_version == version  # read back from the server
                 if kind == "disk":
                     assert (tmp_path / kind / "versions" / f"v{version}").is_dir()
@@ -160,7 +163,7 @@ async def test_rank_zero_pushes_to_servers_without_the_driver(model, server, ray
         await engine.start()
         sync = make_sync()
         try:
-            await sync.push_to(engine.clients[0], group, 7)
+            await push_to_joining(build_push(sync, group), engine.clients[0], 7)
             assert engine.clients[0].weight_version == 7 and group.weight_relays == 0
         finally:
             await sync.close()
