@@ -20,9 +20,12 @@ from palaestra.config import Problem, Section
 from palaestra.errors import ConfigError
 
 if TYPE_CHECKING:
+    from palaestra.contracts import TrainerBackend
     from palaestra.run.config import TrainConfig
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
-    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.ppo.step import Critic
+    from palaestra.trainers.update import Learner
 
 
 class DistillSection(Section):
@@ -124,21 +127,28 @@ def _token_ids(model: Path) -> dict[str, int] | None:
     return vocab
 
 
-def with_distillation(backend: TorchBackend, batch: TrainBatch, cfg: TrainConfig
-                      ) -> tuple[TrainBatch, dict[str, float]]:
-    """The batch with the distillation advantages (the teacher's forward over it) and the
-    step's ``distill/*`` metrics (``distill/reverse_kl``, ``distill/teacher_s``)."""
-    import time
+def build_learner(cfg: TrainConfig, backend: TrainerBackend[TrainBatch, LossConfig],
+                  critic: Critic | None) -> Learner:
+    """The RL update of ``cfg``: PPO with a critic, else the critic-free update, with the
+    ``[distill]`` teacher loaded into the (torch) backend, which then scores with it."""
+    from palaestra.trainers.update import Distillation, PolicyUpdate, PPOUpdate
 
-    from palaestra.trainers.algorithms.distill import distill_advantages
+    if critic is not None:  # values, GAE, epochs of critic and actor updates
+        return PPOUpdate(cfg, backend, critic)
+    distill = None
+    path = teacher_path(cfg)
+    if path is not None:
+        from palaestra.trainers.torch_backend.backend import TorchBackend
 
-    start = time.perf_counter()
-    teacher = backend.forward_teacher_logprobs(batch)
-    d = cfg.distill
-    batch, metrics = distill_advantages(batch, teacher, coef=d.coef, reward_coef=d.reward_coef)
-    metrics["distill/teacher_s"] = time.perf_counter() - start
-    return batch, metrics
+        if not isinstance(backend, TorchBackend):  # refused at load (distill_problems); a guard
+            raise ConfigError(f"distill.teacher needs the torch backend in this process, not "
+                              f"{type(backend).__name__}")
+        backend.load_teacher(path)
+        distill = Distillation(backend, coef=cfg.distill.coef,
+                               reward_coef=cfg.distill.reward_coef)
+    return PolicyUpdate(backend, cfg.trainer.loss, updates_per_batch=cfg.trainer.updates_per_batch,
+                        distill=distill)
 
 
-__all__ = ["DistillSection", "check_teacher", "distill_problems", "teacher_path",
-           "with_distillation"]
+__all__ = ["DistillSection", "build_learner", "check_teacher", "distill_problems",
+           "teacher_path"]

@@ -30,7 +30,7 @@ import asyncio
 import json
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from pathlib import Path
@@ -49,22 +49,21 @@ if TYPE_CHECKING:
     from palaestra.agents.spec import AgentSpec
     from palaestra.contracts import TrainerBackend
     from palaestra.engine import Engine
-    from palaestra.run.evaluation import TrainingEvaluation
     from palaestra.engines import LocalEngine
-    from palaestra.engines.serve.serve import RunningServer
     from palaestra.engines.clients.sglang import SGLangEngine
+    from palaestra.engines.serve.serve import RunningServer
     from palaestra.rollout.manager import RolloutBatch, RolloutManager
-    from palaestra.run.placement import RunPlan
     from palaestra.rollout.rewards.worker import RewardClient
+    from palaestra.run.colocate import ColocatedPhases
+    from palaestra.run.elastic import AdminServer, ElasticEngines
+    from palaestra.run.evaluation import TrainingEvaluation
+    from palaestra.run.parity import ParityCheck
+    from palaestra.run.placement import RunPlan
     from palaestra.run.weight_pushes import SyncPush
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
-    from palaestra.run.elastic import AdminServer, ElasticEngines
-    from palaestra.run.colocate import ColocatedPhases
-    from palaestra.run.parity import ParityCheck
-    from palaestra.trainers.ppo.step import PPOStepResult
-    from palaestra.trainers.torch_backend.backend import TorchBackend
-    from palaestra.types import Sample
+    from palaestra.trainers.ppo.step import Critic
+    from palaestra.trainers.update import Learner
 
 
 def ensure_model(cfg: TrainConfig) -> Path:
@@ -158,7 +157,7 @@ def _trainer_group(cfg: TrainConfig) -> RunPlan | None:
     return require_plan(cfg) if group_size(cfg) > 1 else None
 
 
-def _build_critic(cfg: TrainConfig, policy_path: Path) -> Any:
+def _build_critic(cfg: TrainConfig, policy_path: Path) -> Critic | None:
     """The ``[critic]`` backend when the loss needs values (PPO's GAE), else None."""
     from palaestra.run.critic import build_critic, uses_critic
 
@@ -207,11 +206,12 @@ class RLRun:
 
     def __init__(self, cfg: TrainConfig, run: RunDir, policy_path: Path, spec: AgentSpec,
                  engine: LocalEngine | SGLangEngine, sync: EngineSync, *,
-                 backend: TrainerBackend[TrainBatch, LossConfig], critic: Any,
-                 push: SyncPush, manager: RolloutManager, rewards: RewardClient | None,
+                 backend: TrainerBackend[TrainBatch, LossConfig], critic: Critic | None,
+                 learner: Learner, push: SyncPush, manager: RolloutManager, rewards: RewardClient | None,
                  server: RunningServer | None) -> None:
         self.cfg, self.run, self.policy_path, self.spec = cfg, run, policy_path, spec
         self.engine, self.sync, self.backend, self.critic = engine, sync, backend, critic
+        self.learner = learner  # advantages and optimizer steps (GRPO & co, or PPO)
         self.push = push  # the backend's weights to the engines, by the run's one path
         self.manager, self.rewards, self.server = manager, rewards, server
         self.counts: Counter[str] = Counter()  # skipped optimizer steps, failed episodes (run)
@@ -221,16 +221,14 @@ class RLRun:
         self.evaluator: TrainingEvaluation | None = None
         self.colocated: ColocatedPhases | None = None  # [placement] colocate: phase switches
         self._engine_seen: dict[str, float] = {}  # engine stats at the last step's end
-        self.teacher: TorchBackend | None = None  # [distill]: the backend holding the teacher
-        self._distill: dict[str, float] = {}  # this step's distill/* metrics
         self.parity: ParityCheck | None = None  # the full-vocabulary parity check (run/parity)
 
     @classmethod
     async def setup(cls, cfg: TrainConfig, run: RunDir, policy_path: Path, spec: AgentSpec,
                     engine: LocalEngine | SGLangEngine, sync: EngineSync) -> RLRun:
         """The backend, the critic, the tasks, the engines as workers see them, the manager."""
-        from palaestra.rollout import DataSource, EngineSpec, RolloutManager, WorkerConfig
         from palaestra.engines.clients.sglang import SGLangEngine
+        from palaestra.rollout import DataSource, EngineSpec, RolloutManager, WorkerConfig
         from palaestra.run.run_engines import trainer_placement_group
 
         r = cfg.rollout
@@ -271,12 +269,12 @@ class RLRun:
             print(f"[rl] rollout.over_sampling = {r.over_sampling} draws nothing ahead in sync "
                   "mode (exact batches: groups drawn ahead would finish by timing); it applies "
                   "in async mode", flush=True)
+        from palaestra.run.distill import build_learner
         from palaestra.run.weight_pushes import build_push
 
         rl = cls(cfg, run, policy_path, spec, engine, sync, backend=backend, critic=critic,
-                 push=build_push(sync, backend), manager=manager, rewards=rewards,
-                 server=server)
-        rl.teacher = _load_teacher(cfg, backend)
+                 learner=build_learner(cfg, backend, critic), push=build_push(sync, backend),
+                 manager=manager, rewards=rewards, server=server)
         from palaestra.run.parity import ParityCheck
 
         rl.parity = ParityCheck.build(cfg, engine, backend)
@@ -344,34 +342,31 @@ class RLRun:
         t1 = time.perf_counter()
         if self.colocated is not None:  # the engine frees the GPU, the trainer comes back
             await self.colocated.to_train()
-        train_batch, ppo = await self._advantages(batch.samples, step)
+        update = await asyncio.to_thread(self.learner.update, batch.samples, step)
         if batch.failed:
             self.counts["failed_episodes"] += run.log_failures("rl", step, batch.failed)
             self._note(_failure_line(step, batch, run))
-        train_metrics = ppo.metrics if ppo is not None else await self._train_steps(
-            train_batch, step)
-        train_metrics, mismatch = _split_mismatch(train_metrics, ppo)
+        for what in update.skipped:
+            self.counts["skipped_steps"] += 1
+            self._note(f"[rl step {step}] {what}: the optimizer step was skipped "
+                       f"({self.counts['skipped_steps']} so far)")
         t2 = time.perf_counter()
         with span("weight_sync"):
             sync_times = await self._push_weights(step + 1)
         t3 = time.perf_counter()
-        record = _step_record(step, batch.metrics, train_metrics, sync_times,
+        record = _step_record(step, batch.metrics, update.metrics, sync_times,
                               rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
                               warmup_steps=cfg.warmup.steps)
         record.update(self.push.metrics())
-        record.update(mismatch)  # rollout/logprob_{max,mean}_abs_diff
+        record.update(update.mismatch)  # rollout/logprob_{max,mean}_abs_diff
         record.update(parity)  # rollout/full_vocab_{logprob_max_abs_diff,tv,...}
-        record.update(self._distill)  # distill/reverse_kl (with a teacher)
+        record.update(update.extra)  # distill/reverse_kl (with a teacher)
         if self.colocated is not None:  # memory/{rollout,train}_gib, memory/offloaded_gib
             record.update(self.colocated.metrics())
         record.update(self._engine_deltas())
         if elastic is not None:  # engines/count, added, removed, requests per engine
             record.update(elastic.metrics())
-        if ppo is not None:  # the PPO breakdown: time/values_s, time/actor_update_s, ...
-            record.update(ppo.times)
-            for what in ppo.skipped:
-                self._note(f"[rl step {step}] {what}: the gradients are not finite, "
-                           "the optimizer step was skipped")
+        record.update(update.times)  # PPO's breakdown: time/values_s, time/actor_update_s
         record["train/skipped_steps"] = self.counts["skipped_steps"]
         if self.evaluator is not None and self.evaluator.due(step + 1):
             record.update(await self.evaluator.evaluate(self.engine, step + 1))
@@ -387,14 +382,14 @@ class RLRun:
         """The backend's weights to the engines as ``version`` while the rollout manager holds
         generation paused; the time of each phase (``pause_s``, ``push_s``, ``resume_s``)."""
         elastic, colocated = self.elastic, self.colocated
-        async with self.manager.weights_paused(version) as times:
-            # colocated: engine weights back, push, trainer out, KV cache back
-            async with colocated.to_rollout() if colocated is not None else nullcontext():
-                if elastic is not None:  # servers that stopped answering leave first
-                    await elastic.settle()
-                await self.push.push(version)
-                if elastic is not None:
-                    elastic.version = version
+        # colocated: engine weights back, push, trainer out, KV cache back
+        async with (self.manager.weights_paused(version) as times,
+                    colocated.to_rollout() if colocated is not None else nullcontext()):
+            if elastic is not None:  # servers that stopped answering leave first
+                await elastic.settle()
+            await self.push.push(version)
+            if elastic is not None:
+                elastic.version = version
         return times
 
     def _engine_deltas(self) -> dict[str, float]:
@@ -408,56 +403,6 @@ class RLRun:
         now = {k: float(stats[k]) for k in keys if isinstance(stats.get(k), (int, float))}
         before, self._engine_seen = self._engine_seen, now
         return {f"engine/{k}": v - before.get(k, 0.0) for k, v in now.items()}
-
-    async def _advantages(self, samples: Sequence[Sample], step: int
-                          ) -> tuple[TrainBatch, PPOStepResult | None]:
-        """The batch with its advantages; with a critic, PPO's whole step (values, GAE, its
-        epochs of critic and actor updates) and its result."""
-        from palaestra.trainers.algorithms import compute_advantages
-        from palaestra.trainers.batching import TrainBatch
-        from palaestra.trainers.ppo.step import ppo_step, with_reward_kl_logprobs
-
-        cfg, backend = self.cfg, self.backend
-        with span("trainer_data"):
-            train_batch = TrainBatch.from_samples(samples)
-        if self.critic is not None:  # values, GAE, epochs of critic and actor updates
-            ppo = await asyncio.to_thread(ppo_step, cfg, backend, self.critic, train_batch, step)
-            self.counts["skipped_steps"] += len(ppo.skipped)
-            return train_batch, ppo
-        train_batch = compute_advantages(await asyncio.to_thread(
-            with_reward_kl_logprobs, backend, train_batch, cfg.trainer.loss), cfg.trainer.loss)
-        if self.teacher is not None:  # the teacher scores every sampled token
-            from palaestra.run.distill import with_distillation
-
-            train_batch, self._distill = await asyncio.to_thread(
-                with_distillation, self.teacher, train_batch, cfg)
-        return train_batch, None
-
-    async def _train_steps(self, train_batch: TrainBatch, step: int) -> dict[str, float]:
-        """``trainer.updates_per_batch`` optimizer steps; the metrics of the last."""
-        from palaestra.trainers.ppo.step import update_skipped
-
-        from palaestra.trainers.algorithms.mismatch import step_metrics
-
-        cfg = self.cfg
-        train_metrics: dict[str, float] = {}
-        first: dict[str, float] = {}
-        for update in range(cfg.trainer.updates_per_batch):
-            train_metrics = dict(await asyncio.to_thread(
-                self.backend.train_step, train_batch, cfg.trainer.loss
-            ))
-            if update == 0:  # the weights that sampled the batch: the logprob mismatch
-                first = step_metrics(train_metrics)
-            if update_skipped(train_metrics):
-                self.counts["skipped_steps"] += 1
-                self._note(
-                    f"[rl step {step}] the gradients are not finite (grad norm "
-                    f"{train_metrics.get('grad_norm')}, loss {train_metrics.get('loss')}):"
-                    f" the optimizer step was skipped ({self.counts['skipped_steps']} so far)"
-                )
-        # the mismatch of the first update's forward (all its micro-batches run before the
-        # optimizer step), under the raw keys `_split_mismatch` reads
-        return {**train_metrics, **{f"{_FIRST}{k}": v for k, v in first.items()}}
 
     async def checkpoint(self, step: int) -> None:
         """Save after ``step`` steps when one is due (every ``checkpoint.interval``, the last)."""
@@ -509,45 +454,6 @@ class RLRun:
             self.backend.close()
 
 
-_FIRST = "first_update/"
-
-
-def _load_teacher(cfg: TrainConfig, backend: Any) -> TorchBackend | None:
-    """``[distill]``: the teacher loaded into the (torch) backend, which then scores with it."""
-    from palaestra.run.distill import teacher_path
-
-    path = teacher_path(cfg)
-    if path is None:
-        return None
-    from palaestra.trainers.torch_backend.backend import TorchBackend
-
-    if not isinstance(backend, TorchBackend):  # refused at load (run/distill.py); a guard
-        from palaestra.errors import ConfigError
-
-        raise ConfigError(f"distill.teacher needs the torch backend in this process, not "
-                          f"{type(backend).__name__}")
-    backend.load_teacher(path)
-    return backend
-
-
-def _split_mismatch(train: dict[str, float], ppo: PPOStepResult | None
-                    ) -> tuple[dict[str, float], dict[str, float]]:
-    """(the train metrics to log, ``rollout/logprob_{max,mean}_abs_diff``): the trainer's
-    logprobs before the step's update against the engine's. GRPO & co: from the first update's
-    own forward (`_train_steps`); PPO: from its pi_old forward of the whole batch when it runs
-    one, else from its single actor update."""
-    from palaestra.trainers.algorithms.mismatch import batch_metrics, step_metrics, without_raw
-
-    first = {k[len(_FIRST):]: v for k, v in train.items() if k.startswith(_FIRST)}
-    rest = without_raw({k: v for k, v in train.items() if not k.startswith(_FIRST)})
-    if ppo is None:
-        return rest, first
-    b = ppo.batch
-    if b.old_logprobs is not None and b.rollout_logprobs is not None:
-        return rest, batch_metrics(b.old_logprobs, b.rollout_logprobs, b.loss_mask)
-    return rest, step_metrics(train) if train.get("ppo/actor_updates") == 1.0 else {}
-
-
 def _failure_line(step: int, batch: RolloutBatch, run: RunDir) -> str:
     """``[rl step N] k of n episodes failed: 2 x <error>; ...`` (one console line)."""
     finished = int(batch.metrics.get("episodes/finished", 0))
@@ -560,7 +466,7 @@ def _failure_line(step: int, batch: RolloutBatch, run: RunDir) -> str:
 
 def _save_rl(cfg: TrainConfig, run: RunDir, backend: TrainerBackend[TrainBatch, LossConfig],
              manager: RolloutManager, step: int,
-             counts: Counter[str], critic: Any = None,
+             counts: Counter[str], critic: Critic | None = None,
              rollout: dict[str, Any] | None = None) -> None:
     directory = run.checkpoint_dir("rl", step)
     if critic is not None:  # before the policy: the checkpoint is complete with both or none

@@ -40,6 +40,7 @@ from palaestra.trainers.megatron.weights import (
 if TYPE_CHECKING:
     import torch
 
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import MicroBatch, TrainBatch
 
 
@@ -394,7 +395,7 @@ class MegatronBackend:
         assert ents is not None
         return logps, ents
 
-    def train_step(self, batch: TrainBatch, loss_cfg: Any, *,
+    def train_step(self, batch: TrainBatch, loss_cfg: LossConfig, *,
                    loss_weights: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
         """One optimizer step on ``batch`` under ``loss_cfg`` (an algorithms.LossConfig).
 
@@ -406,34 +407,22 @@ class MegatronBackend:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from palaestra.trainers.algorithms.objective import (
-            batch_loss_weights,
-            check_train_batch,
-            sequence_fields,
-        )
-        from palaestra.trainers.batching import TOKEN_FIELDS, make_micro_batches
+        from palaestra.trainers.loss_inputs import loss_micro_batches, runs_ref_forward
         from palaestra.trainers.torch_backend.optim import lr_multiplier
 
         start = time.perf_counter()
         critic = self.cfg.critic
         logprobs_s = 0.0
-        if (not critic and loss_cfg.needs_ref_logprobs and batch.ref_logprobs is None
-                and (loss_cfg.objective == "dpo" or loss_cfg.kl_mode == "loss")
-                and self._ref_weights is not None):
+        if runs_ref_forward(batch, loss_cfg, critic=critic,
+                            has_reference=self._ref_weights is not None):
             batch = batch.replace(ref_logprobs=self.forward_logprobs(batch, ref=True))
             logprobs_s = time.perf_counter() - start
-        check_train_batch(batch, loss_cfg, critic=critic)
-        fields = {n: getattr(batch, n) for n in TOKEN_FIELDS if getattr(batch, n) is not None}
-        if loss_weights is None and self.local_batches:
-            raise ConfigError("a data-parallel shard needs the whole batch's loss_weights")
-        fields[losses.WEIGHTS] = batch_loss_weights(batch, loss_cfg) if loss_weights is None \
-            else tuple(loss_weights)
         local = self._local_indices(batch)
-        mbs = make_micro_batches(
-            batch, self.cfg.max_tokens_per_micro_batch, pack=True, fields=fields,
-            seq_fields=sequence_fields(batch.num_sequences, loss_cfg, critic=critic),
-            subset=local,
-        ) if local else []
+        mbs = loss_micro_batches(
+            batch, loss_cfg, critic=critic, max_tokens=self.cfg.max_tokens_per_micro_batch,
+            pack=True, loss_weights=loss_weights, sharded=self.local_batches, subset=local)
+        if not local:  # the batch was still checked; this rank has nothing to train on
+            mbs = []
         if not mbs:
             raise ConfigError("this data-parallel rank got no sequences; use a bigger batch")
         # the schedule divides each micro-batch loss by their number and DDP averages over DP;
