@@ -18,7 +18,7 @@ updates, aborts and failover in one place.
 Modules: `episode` (the loop), `data` (data source), `groups` (filters), `worker` / `cluster` /
 `manager` (scale-out and batches), `tool_cache` (record/replay), `metrics`, `config`, `testing`
 (scripted policies and faulty envs for tests and benchmarks). GPU placement plans live in
-`palaestra.run.placement`. Samples become tensors in `palaestra.trainers.batching` (DP balance,
+`palaestra.run.fleet.placement`. Samples become tensors in `palaestra.trainers.batching` (DP balance,
 micro-batches).
 """
 

@@ -3,7 +3,7 @@ training backend and its per-phase settings.
 
 Each builder takes the config sections (or values) it reads, never the whole `TrainConfig`, and
 returns a typed object, so a reader sees what a builder depends on. `palaestra.run.loop`
-(RL) and `palaestra.run.offline` (SFT/DPO) both build from here (neither imports the
+(RL) and `palaestra.run.phases.offline` (SFT/DPO) both build from here (neither imports the
 other for it).
 """
 
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from palaestra.contracts import TrainerBackend
     from palaestra.engines import LocalEngine
     from palaestra.engines.clients.sglang import SGLangEngine
-    from palaestra.run.placement import RunPlan
+    from palaestra.run.fleet.placement import RunPlan
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.run.config import AgentSection, EngineSection, TrainerSection
@@ -47,7 +47,7 @@ def build_engine(engine: EngineSection, model_path: Path, *, max_model_len: int,
     or a client over SGLang servers (``engine.urls`` and the ones ``engine.launch`` starts,
     logging to ``servers_dir``)."""
     if engine.kind == "sglang":
-        from palaestra.run.server_launch import launched_engine
+        from palaestra.run.fleet.launch import launched_engine
 
         launched: SGLangEngine = launched_engine(engine, model_path, servers_dir)
         return launched

@@ -19,10 +19,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Field, Tag, ValidationInfo, model_validator
 
 from palaestra.config import ConfigProblems, Section
-from palaestra.run.distill import DistillSection
+from palaestra.run.phases.distill import DistillSection
 from palaestra.run.evaluation import EvalConfig as BenchmarkEvalConfig
 from palaestra.rollout.config import RolloutConfig
-from palaestra.run.placement import PlacementSection
+from palaestra.run.fleet.placement import PlacementSection
 from palaestra.rollout.rewards.config import RewardSourceConfig, RewardWorkerSection
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.megatron.config import MegatronBackendConfig

@@ -41,15 +41,15 @@ def config_problems(cfg: TrainConfig) -> list[Problem]:
     if cfg.warmup.steps > 0:
         out += _demonstration_problems(cfg)
     out += _reward_problems(cfg)
-    from palaestra.run.distill import distill_problems
+    from palaestra.run.phases.distill import distill_problems
     from palaestra.run.trainer_plan import placement_problems
-    from palaestra.run.run_engines import engine_actor_problems
+    from palaestra.run.fleet.start import engine_actor_problems
     from palaestra.run.services import services_problems
 
     from palaestra.run.on_policy import on_policy_problems
 
     out += distill_problems(cfg) + on_policy_problems(cfg)
-    from palaestra.run.router_choice import router_problems
+    from palaestra.run.fleet.router import router_problems
 
     out += router_problems(cfg)
     return out + services_problems(cfg) + placement_problems(cfg) + engine_actor_problems(cfg)
@@ -57,7 +57,7 @@ def config_problems(cfg: TrainConfig) -> list[Problem]:
 
 def launch_problems(cfg: TrainConfig) -> list[Problem]:
     """Problems a real run has on this machine (a dry run only plans, e.g. for a GPU host)."""
-    from palaestra.run.router_choice import router_launch_problems
+    from palaestra.run.fleet.router import router_launch_problems
 
     return router_launch_problems(cfg) + _model_launch_problems(cfg)
 
@@ -106,7 +106,7 @@ def _engine_kind_problems(cfg: TrainConfig) -> list[Problem]:
 
 def _engine_problems(cfg: TrainConfig) -> list[Problem]:
     e, out = cfg.engine, _engine_kind_problems(cfg)
-    from palaestra.run.run_engines import engine_actor_count
+    from palaestra.run.fleet.start import engine_actor_count
 
     if e.kind == "sglang" and not e.urls and e.launch == "none" and not engine_actor_count(cfg):
         out.append(Problem(("engine",), "engine.kind = 'sglang' needs engine.urls (attach to "
@@ -239,7 +239,7 @@ def _loss_problems(cfg: TrainConfig) -> list[Problem]:
             f"rewards; for RL choose a preset of {CRITIC_FREE_PRESETS}, or set algorithm = "
             f"{loss.objective!r} with offline.dataset")))
         return out
-    from palaestra.run.critic import critic_problems
+    from palaestra.run.phases.critic import critic_problems
 
     out += critic_problems(cfg)  # GAE's critic ([critic]), PPO's mini-batches
     backend = cfg.trainer.megatron if cfg.trainer.backend == "megatron" else cfg.trainer.torch

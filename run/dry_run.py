@@ -1,7 +1,7 @@
 """``palaestra train --dry-run``: the resolved config, the GPU placement and a per-GPU memory estimate.
 
 Nothing is started and nothing heavy is imported (no torch, no Ray). The placement comes from
-the config's ``[placement]`` section when there is one (`palaestra.run.placement.
+the config's ``[placement]`` section when there is one (`palaestra.run.fleet.placement.
 PlacementSection`: nodes, GPUs per node, trainer ranks, engine GPUs and tp, colocation, critic and
 reference ranks; `describe_section` prints its bundles per node, ranks, engines and memory per
 GPU), else from the environment variables the GPU recipes in ``scripts/`` still set (read only
@@ -203,7 +203,7 @@ def train_memory(shape: ModelShape, cfg: TrainConfig, gpus: int, tp: int) -> dic
         activations = 2 * tokens * shape.hidden * shape.layers + per_layer
     else:
         activations = per_layer * shape.layers
-    from palaestra.run.critic import uses_critic
+    from palaestra.run.phases.critic import uses_critic
 
     copies = 2 if uses_critic(cfg) else 1  # a critic of the policy's size, on the same GPUs
     mem = {
@@ -229,7 +229,7 @@ def engine_memory(shape: ModelShape, cfg: TrainConfig, engines: int, tp: int) ->
 def plan_rows(cfg: TrainConfig, fields: Mapping[str, Any], shape: ModelShape | None,
               trainer_tp: int) -> tuple[str, list[GpuRow]]:
     """The placement line (`plan_placement`) and one row per GPU."""
-    from palaestra.run.placement import PlacementConfig, plan_placement
+    from palaestra.run.fleet.placement import PlacementConfig, plan_placement
 
     known = set(PlacementConfig.__dataclass_fields__)
     plan = plan_placement(PlacementConfig(**{k: v for k, v in fields.items() if k in known}))
@@ -277,7 +277,7 @@ def format_table(rows: list[GpuRow], gpu_memory_gib: float) -> list[str]:
 
 
 def _engine_line(cfg: TrainConfig) -> str:
-    from palaestra.run.run_engines import engine_actor_count
+    from palaestra.run.fleet.start import engine_actor_count
 
     e = cfg.engine
     if engine_actor_count(cfg):  # [placement] starts them (see the placement lines)
@@ -296,7 +296,7 @@ def _sync_line(cfg: TrainConfig) -> str:
     e, sync = cfg.engine, cfg.engine.weight_sync
     method: str = sync.kind
     if method == "auto":
-        from palaestra.run.run_engines import engine_actor_count
+        from palaestra.run.fleet.start import engine_actor_count
 
         colocated = cfg.placement is not None and cfg.placement.colocate
         method = "in_process" if e.kind == "local" and not engine_actor_count(cfg) else (
@@ -324,7 +324,7 @@ def describe_section(cfg: TrainConfig, environ: Mapping[str, str]) -> str:
     lines = [_shape_line(cfg, shape)]
     plan = require_plan(cfg)
     lines += plan.describe_lines()
-    from palaestra.run.run_engines import engine_actor_lines
+    from palaestra.run.fleet.start import engine_actor_lines
 
     lines += engine_actor_lines(cfg, plan)
     if section.trainer_ranks > 1:
@@ -452,7 +452,7 @@ def describe_plan(cfg: TrainConfig, environ: Mapping[str, str] | None = None) ->
         lines.append(_tasks_line(cfg))
         if cfg.warmup.steps:
             lines.append(f"warm start: {cfg.warmup.steps} SFT steps on {cfg.warmup.demonstrations}")
-        from palaestra.run.critic import critic_plan_line
+        from palaestra.run.phases.critic import critic_plan_line
 
         lines.append(critic_plan_line(cfg))
     from palaestra.run.config_checks import launch_problems

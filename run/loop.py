@@ -40,7 +40,7 @@ from palaestra.config import save_resolved
 from palaestra.contracts import Closeable
 from palaestra.run.builders import agent_spec, build_backend, build_engine
 from palaestra.run.config import TrainConfig
-from palaestra.run.engine_sync import EngineSync
+from palaestra.run.fleet.engine_sync import EngineSync
 from palaestra.run.run_dir import ConsoleLog, RunDir, check_resume, plot_curves
 from palaestra.run.services import run_env_kwargs, run_services
 from palaestra.trace_ranges import span
@@ -54,12 +54,12 @@ if TYPE_CHECKING:
     from palaestra.engines.serve.serve import RunningServer
     from palaestra.rollout.manager import RolloutBatch, RolloutManager
     from palaestra.rollout.rewards.worker import RewardClient
-    from palaestra.run.colocate import ColocatedPhases
-    from palaestra.run.elastic import AdminServer, ElasticEngines
+    from palaestra.run.fleet.colocate import ColocatedPhases
+    from palaestra.run.fleet.elastic import AdminServer, ElasticEngines
     from palaestra.run.evaluation import TrainingEvaluation
     from palaestra.run.parity import ParityCheck
-    from palaestra.run.placement import RunPlan
-    from palaestra.run.weight_pushes import SyncPush
+    from palaestra.run.fleet.placement import RunPlan
+    from palaestra.run.fleet.weight_pushes import SyncPush
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.ppo.step import Critic
@@ -159,7 +159,7 @@ def _trainer_group(cfg: TrainConfig) -> RunPlan | None:
 
 def _build_critic(cfg: TrainConfig, policy_path: Path) -> Critic | None:
     """The ``[critic]`` backend when the loss needs values (PPO's GAE), else None."""
-    from palaestra.run.critic import build_critic, uses_critic
+    from palaestra.run.phases.critic import build_critic, uses_critic
 
     return build_critic(cfg, policy_path) if uses_critic(cfg) else None
 
@@ -167,7 +167,7 @@ def _build_critic(cfg: TrainConfig, policy_path: Path) -> Critic | None:
 # ----------------------------------------------------------------------------------- phases
 async def run_warmup(cfg: TrainConfig, run: RunDir, model_path: Path, spec: AgentSpec) -> Path:
     """SFT on demonstrations; returns the exported warm-started model (resumable)."""
-    from palaestra.run.offline import demonstration_samples, sft_steps
+    from palaestra.run.phases.offline import demonstration_samples, sft_steps
 
     out = run.root / "sft-model"
     if (out / "config.json").exists() and run.read_state().get("phase") not in (None, "sft"):
@@ -229,7 +229,7 @@ class RLRun:
         """The backend, the critic, the tasks, the engines as workers see them, the manager."""
         from palaestra.engines.clients.sglang import SGLangEngine
         from palaestra.rollout import DataSource, EngineSpec, RolloutManager, WorkerConfig
-        from palaestra.run.run_engines import trainer_placement_group
+        from palaestra.run.fleet.start import trainer_placement_group
 
         r = cfg.rollout
         backend = build_backend(cfg.trainer, policy_path, temperature=r.temperature,
@@ -269,8 +269,8 @@ class RLRun:
             print(f"[rl] rollout.over_sampling = {r.over_sampling} draws nothing ahead in sync "
                   "mode (exact batches: groups drawn ahead would finish by timing); it applies "
                   "in async mode", flush=True)
-        from palaestra.run.distill import build_learner
-        from palaestra.run.weight_pushes import build_push
+        from palaestra.run.phases.distill import build_learner
+        from palaestra.run.fleet.weight_pushes import build_push
 
         rl = cls(cfg, run, policy_path, spec, engine, sync, backend=backend, critic=critic,
                  learner=build_learner(cfg, backend, critic), push=build_push(sync, backend),
@@ -305,14 +305,14 @@ class RLRun:
         """The progress bar, the admin endpoint of elastic engines, the benchmark evaluator."""
         cfg = self.cfg
         self.progress = _progress(cfg, start_step)
-        from palaestra.run.elastic import start_admin
+        from palaestra.run.fleet.elastic import start_admin
 
         # engines join and leave while the steps run (`palaestra engines add|remove URL`)
         self.admin = await start_admin(cfg, self.run.root, self.engine, self.sync,
                                        self.policy_path, manager=self.manager)
         self.elastic = None if self.admin is None else self.admin.elastic
         if cfg.placement is not None and cfg.placement.colocate:  # sync mode (checked at load)
-            from palaestra.run.colocate import ColocatedPhases
+            from palaestra.run.fleet.colocate import ColocatedPhases
 
             self.colocated = ColocatedPhases(self.engine, [self.backend, self.critic])
             await self.colocated.start()  # the first rollout: the trainer in host memory
@@ -649,26 +649,26 @@ async def _train(cfg: TrainConfig, run: RunDir) -> dict[str, Any]:
     if not cfg.checkpoint.resume:
         run.write_state({})
     model_path = ensure_model(cfg)
-    from palaestra.run.distill import check_teacher, teacher_path
+    from palaestra.run.phases.distill import check_teacher, teacher_path
 
     if (teacher := teacher_path(cfg)) is not None:  # the student exists now: same vocabulary?
         check_teacher(teacher, model_path)
     spec = agent_spec(cfg.agent, model_path)
     try:
         if cfg.algorithm == "rm":
-            from palaestra.run.reward_model import train_reward_model
+            from palaestra.run.phases.reward_model import train_reward_model
 
             with _phases("rm"):
                 await asyncio.to_thread(train_reward_model, cfg, run, model_path)
             return {}
         if cfg.algorithm in ("sft", "dpo"):
-            from palaestra.run.offline import run_offline
+            from palaestra.run.phases.offline import run_offline
 
             with _phases(cfg.algorithm):
                 await asyncio.to_thread(run_offline, cfg, run, model_path, spec)
             return {}
         from palaestra.run.on_policy import bitwise as bitwise_on_policy
-        from palaestra.run.run_engines import start_engine_actors
+        from palaestra.run.fleet.start import start_engine_actors
 
         # [placement] engines as Ray actors on their bundles, else the engines of [engine]
         engine_cfg, engine = await start_engine_actors(cfg, model_path) or (

@@ -9,7 +9,7 @@ from palaestra.config import Problem
 from palaestra.errors import ConfigError
 
 if TYPE_CHECKING:
-    from palaestra.run.placement import RunPlan
+    from palaestra.run.fleet.placement import RunPlan
     from palaestra.run.config import TrainConfig
 
 
@@ -31,7 +31,7 @@ def _parallel(cfg: TrainConfig) -> dict[str, int]:
 
 def run_plan(cfg: TrainConfig) -> RunPlan | None:
     """The plan of ``cfg.placement`` (None without one); raises `ConfigError` when impossible."""
-    from palaestra.run.placement import plan_run
+    from palaestra.run.fleet.placement import plan_run
 
     if cfg.placement is None:
         return None
@@ -46,7 +46,7 @@ def group_size(cfg: TrainConfig) -> int:
 
 def placement_problems(cfg: TrainConfig) -> list[Problem]:
     """Why ``[placement]`` cannot run (checked when the config loads, dry run included)."""
-    from palaestra.run.placement import plan_problems
+    from palaestra.run.fleet.placement import plan_problems
 
     p = cfg.placement
     if p is None:

@@ -1,6 +1,6 @@
 """Memory of a trainer on its accelerator: what ``offload`` moves and what the GPU holds.
 
-Read by the colocated phases of a run (`palaestra.run.colocate`) and by each trainer rank of a
+Read by the colocated phases of a run (`palaestra.run.fleet.colocate`) and by each trainer rank of a
 trainer group (`palaestra.trainers.group.actor`).
 """
 

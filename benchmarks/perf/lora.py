@@ -91,8 +91,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from palaestra.benchmarks.perf.weight_sync import build_checkpoint
     from palaestra.engines.local.local import LocalEngine
     from palaestra.trainers.algorithms.config import LossConfig
-    from palaestra.run.engine_sync import EngineSync
-    from palaestra.run.weight_pushes import build_push
+    from palaestra.run.fleet.engine_sync import EngineSync
+    from palaestra.run.fleet.weight_pushes import build_push
     from palaestra.trainers.torch_backend.backend import TorchBackend
     from palaestra.trainers.torch_backend.config import TorchBackendConfig
     from palaestra.trainers.torch_backend.lora import LoraSettings

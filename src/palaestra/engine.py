@@ -216,7 +216,7 @@ class Engine(TokenGenerator, Protocol):
 
 # ---------------------------------------------------------------------- capabilities
 # What an engine can do beyond `Engine`, checked once with ``isinstance`` where a run is built
-# (e.g. `palaestra.run.weight_pushes.build_push`), never probed with ``hasattr`` per call.
+# (e.g. `palaestra.run.fleet.weight_pushes.build_push`), never probed with ``hasattr`` per call.
 
 
 @runtime_checkable

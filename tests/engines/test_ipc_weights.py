@@ -189,7 +189,7 @@ async def test_servers_elsewhere_and_bad_config_are_refused() -> None:
     from palaestra.engines.clients.sglang import SGLangClient
     from palaestra.engines.weights.weight_transfer import IpcWeightSender, on_this_host
     from palaestra.run.config import IpcSync, TrainConfig
-    from palaestra.run.engine_sync import resolve_method
+    from palaestra.run.fleet.engine_sync import resolve_method
 
     assert on_this_host("http://127.0.0.1:30000") and on_this_host("http://localhost:1")
     assert not on_this_host("http://192.0.2.7:30000")  # TEST-NET-1: never this machine
@@ -220,8 +220,8 @@ async def test_engine_sync_ipc_from_a_torch_backend(model: Path, server: str,
     from palaestra.engines.clients.sglang import SGLangEngine
     from palaestra.engines.weights.weight_transfer import IpcWeightSender
     from palaestra.run.config import TrainConfig
-    from palaestra.run.engine_sync import EngineSync
-    from palaestra.run.weight_pushes import build_push
+    from palaestra.run.fleet.engine_sync import EngineSync
+    from palaestra.run.fleet.weight_pushes import build_push
     from palaestra.trainers.torch_backend.backend import TorchBackend
     from palaestra.trainers.torch_backend.config import TorchBackendConfig
 

@@ -219,7 +219,7 @@ async def test_router_refused_without_the_wheel_or_on_the_embedded_engine(monkey
     from palaestra.errors import ConfigError
     from palaestra.run.config import TrainConfig
     from palaestra.run.config_checks import launch_problems
-    from palaestra.run.router_choice import router_problems
+    from palaestra.run.fleet.router import router_problems
 
     cfg = TrainConfig.model_validate({"engine": {"kind": "sglang", "router": "sglang",
                                                  "urls": ["http://127.0.0.1:9"]},

@@ -52,7 +52,7 @@ def _script(script: str, *args: str, **env: str) -> subprocess.CompletedProcess[
 
 @pytest.mark.parametrize("name", RECIPE_CONFIGS)
 def test_recipe_config_loads(name: str) -> None:
-    from palaestra.run.run_engines import engine_actor_count
+    from palaestra.run.fleet.start import engine_actor_count
 
     cfg = load_config(TrainConfig, REPO / "configs" / f"{name}.toml")
     # [placement] starts the engines as Ray actors: no engine.urls of servers started by hand

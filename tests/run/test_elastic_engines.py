@@ -269,8 +269,8 @@ async def test_an_engine_of_another_model_is_refused(tmp_path, servers):
     from palaestra.engines.clients.sglang import SGLangEngine
     from palaestra.engines.weights.weight_transfer import DiskWeightSender
     from palaestra.tiny_model import build_model
-    from palaestra.run.elastic import ElasticEngines
-    from palaestra.run.engine_sync import EngineSync
+    from palaestra.run.fleet.elastic import ElasticEngines
+    from palaestra.run.fleet.engine_sync import EngineSync
 
     a, b = servers
     policy = build_model(tmp_path / "tiny", "tiny")

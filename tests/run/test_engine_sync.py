@@ -11,7 +11,7 @@ import pytest
 from palaestra.config import validate
 from palaestra.errors import ConfigError
 from palaestra.run.config import DiskSync, DistributedSync, TrainConfig
-from palaestra.run.engine_sync import resolve_method
+from palaestra.run.fleet.engine_sync import resolve_method
 
 SERVERS = {"kind": "sglang", "urls": ["http://127.0.0.1:30000"]}
 
@@ -81,7 +81,7 @@ def test_nccl_without_cuda_is_a_clear_error() -> None:
     import torch
 
     from palaestra.errors import ConfigError
-    from palaestra.run.engine_sync import EngineSync
+    from palaestra.run.fleet.engine_sync import EngineSync
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -96,7 +96,7 @@ def test_nccl_without_cuda_is_a_clear_error() -> None:
 
 
 def test_launch_configs_pin_gpu_groups_on_free_ports(tmp_path) -> None:
-    from palaestra.run.server_launch import palaestra_serve_argv, server_configs
+    from palaestra.run.fleet.launch import palaestra_serve_argv, server_configs
 
     cfg = _cfg(kind="sglang", launch="sglang", launch_gpus=[1, 2, 3, 4], launch_tp=2,
                launch_args=["--mem-fraction-static", "0.7"])

@@ -16,8 +16,8 @@ import pytest
 
 from palaestra.contracts import AdapterTrainer, WeightSource, trains_adapter
 from palaestra.engine import AdapterHost, AdapterServing, MemoryReleasing
-from palaestra.run.engine_sync import EngineSync
-from palaestra.run.weight_pushes import (
+from palaestra.run.fleet.engine_sync import EngineSync
+from palaestra.run.fleet.weight_pushes import (
     AdapterInProcessPush,
     AdapterToServersPush,
     GroupPush,

@@ -21,7 +21,7 @@ import torch
 
 from palaestra.config import validate
 from palaestra.engine import SamplingParams
-from palaestra.run.placement import PlacementSection, plan_run
+from palaestra.run.fleet.placement import PlacementSection, plan_run
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.batching import TrainBatch
 from palaestra.run.config import TrainConfig
@@ -72,7 +72,7 @@ def ray_local():
 
 def _sync(url: str, tmp_path: Path, model: Path, kind: str):
     from palaestra.engines.clients.sglang import SGLangEngine
-    from palaestra.run.engine_sync import EngineSync
+    from palaestra.run.fleet.engine_sync import EngineSync
 
     settings: dict = {"kind": kind}
     if kind == "distributed":
@@ -119,7 +119,7 @@ async def test_rank_zero_pushes_to_servers_without_the_driver(model, server, ray
                                                              tmp_path):
     from palaestra.trainers.group.group import TrainerGroup
     from palaestra.trainers.group.push import EnginePushSpec
-    from palaestra.run.weight_pushes import GroupPush, build_push, push_to_joining
+    from palaestra.run.fleet.weight_pushes import GroupPush, build_push, push_to_joining
     from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
 
     cfg = TorchBackendConfig(device="cpu", dtype="float32", lr=1e-2, pack_sequences=False)

@@ -14,8 +14,8 @@ pytest.importorskip("peft")
 from palaestra.engine import SamplingParams
 from palaestra.engines.local.local import LocalEngine
 from palaestra.trainers.algorithms.config import LossConfig
-from palaestra.run.engine_sync import EngineSync
-from palaestra.run.weight_pushes import build_push
+from palaestra.run.fleet.engine_sync import EngineSync
+from palaestra.run.fleet.weight_pushes import build_push
 from palaestra.trainers.torch_backend.backend import TorchBackend
 from palaestra.trainers.torch_backend.config import TorchBackendConfig
 from palaestra.trainers.torch_backend.lora import LoraSettings

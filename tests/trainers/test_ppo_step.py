@@ -55,7 +55,7 @@ def _weights(backend) -> list[torch.Tensor]:
 
 
 def test_values_gae_warmup_and_mini_batches(micro):
-    from palaestra.run.critic import build_critic
+    from palaestra.run.phases.critic import build_critic
     from palaestra.trainers.ppo.step import ppo_step
 
     cfg = _cfg(micro, **{"critic.warmup_steps": "1", "trainer.updates_per_batch": "2"})
@@ -92,7 +92,7 @@ def test_values_gae_warmup_and_mini_batches(micro):
 
 
 def test_reward_kl_uses_the_reference_before_the_advantages(micro):
-    from palaestra.run.critic import build_critic
+    from palaestra.run.phases.critic import build_critic
     from palaestra.trainers.ppo.step import ppo_step
 
     cfg = _cfg(micro, **{"trainer.loss.kl_coef": "0.5", "trainer.loss.kl_mode": "reward",

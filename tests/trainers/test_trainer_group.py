@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from palaestra.run.placement import PlacementSection, plan_run
+from palaestra.run.fleet.placement import PlacementSection, plan_run
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.batching import TrainBatch, split_across_ranks
 

@@ -100,7 +100,7 @@ def _state_bytes(backend) -> int:
 
 def test_group_of_one_gpu_rank_offloads(tmp_path):
     ray = pytest.importorskip("ray")
-    from palaestra.run.placement import PlacementSection, plan_run
+    from palaestra.run.fleet.placement import PlacementSection, plan_run
     from palaestra.tiny_model import build_model
     from palaestra.trainers.group.group import TrainerGroup
     from palaestra.trainers.torch_backend import TorchBackendConfig

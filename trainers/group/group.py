@@ -1,6 +1,6 @@
 """`TrainerGroup`: the trainer ranks of a run as Ray actors on one placement group.
 
-`start` reserves the plan's trainer bundles (`palaestra.run.placement.RunPlan`: GPU bundles,
+`start` reserves the plan's trainer bundles (`palaestra.run.fleet.placement.RunPlan`: GPU bundles,
 or CPU bundles on CPU nodes) as a Ray placement group (or, given ``placement_group``, starts in
 an existing one of the whole plan: colocated engine actors reserved it, and rank r goes on bundle
 ``plan.trainer_bundles[r]`` beside engine r, asking ``plan.trainer_gpu_fraction`` of its GPU and

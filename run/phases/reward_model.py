@@ -36,7 +36,7 @@ Pair = tuple[list[int], list[int]]
 def load_pairs(cfg: TrainConfig, tokenizer: Tokenizer) -> tuple[list[Pair], list[Pair]]:
     """Token ids of (chosen, rejected) for the training pairs and the held-out tail."""
     from palaestra.rollout.rewards.render import render_ids
-    from palaestra.run.offline import _load_jsonl
+    from palaestra.run.phases.offline import _load_jsonl
 
     rows = _load_jsonl(str(cfg.offline.dataset))
     held = cfg.eval.num_tasks
@@ -128,7 +128,7 @@ def train_reward_model(cfg: TrainConfig, run: RunDir, model_path: Path) -> Path:
     import numpy as np
     import torch
 
-    from palaestra.run.offline import _bar, _batch_indices
+    from palaestra.run.phases.offline import _bar, _batch_indices
 
     device = _device(cfg)
     model, tokenizer = load_model(model_path, device, cfg.seed)

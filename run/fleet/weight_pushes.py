@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
     from palaestra.engines.clients.sglang import SGLangClient
     from palaestra.engines.weights.weight_transfer import TransferStats
-    from palaestra.run.engine_sync import EngineSync
+    from palaestra.run.fleet.engine_sync import EngineSync
 
 
 class SyncPush(Protocol):

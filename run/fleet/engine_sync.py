@@ -4,7 +4,7 @@
 tensors overwritten in process; SGLang servers through a weight-update group (NCCL or gloo
 broadcast), CUDA IPC handles (``ipc``: servers colocated on this host's GPU map the trainer's
 memory, bucket by bucket), through disk, or base64 tensors over HTTP. The push itself is one
-class per path (`palaestra.run.weight_pushes.build_push`, built once per run from typed
+class per path (`palaestra.run.fleet.weight_pushes.build_push`, built once per run from typed
 capabilities); `EngineSync` holds what they share: the sender, the bucket size, the dtype.
 
 A trainer group pushing to servers (`palaestra.trainers.group.push.PushesOwnWeights`) sends the
@@ -182,7 +182,7 @@ class EngineSync:
         """The current weights to one more server only (an engine joining a running run), by
         the run's path: a weight-update group of that server alone, a disk version, or HTTP
         tensors. The run's own sender is not touched (see `set_clients`); a trainer group
-        sends from its rank 0 (`palaestra.run.weight_pushes.push_to_joining`)."""
+        sends from its rank 0 (`palaestra.run.fleet.weight_pushes.push_to_joining`)."""
         from palaestra.engines.weights.weight_transfer import (
             DiskWeightSender,
             DistributedWeightSender,

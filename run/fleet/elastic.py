@@ -13,7 +13,7 @@ engine joined at, or why it was refused (wrong model, unreachable, already there
   the current policy goes to that server alone by the run's `EngineSync` path at the current
   version, then the router sends it requests and later pushes include it. ``add --gpus N``
   first starts an engine actor on N GPUs (0: a CPU engine) of the run's Ray cluster
-  (`palaestra.run.engine_actors`), then adds its URL the same way.
+  (`palaestra.run.fleet.actors`), then adds its URL the same way.
 - **Ray workers** (``rollout.cluster = "ray"``) route over their own routers: every change of
   the run's engines is pushed to them (`RolloutManager.set_engine_urls`): a join at the step
   boundary where it got its weights, a removal at once (each worker drains it).
@@ -48,12 +48,12 @@ from urllib.parse import urlsplit
 from palaestra.errors import ConfigError, EngineError, PalaestraError
 
 if TYPE_CHECKING:
-    from palaestra.run.engine_actors import EngineGroup
+    from palaestra.run.fleet.actors import EngineGroup
     from palaestra.engines.clients.router import Router
     from palaestra.engines.clients.sglang_router import SGLangRouted
     from palaestra.rollout.manager import RolloutManager
-    from palaestra.run.engine_sync import EngineSync
-    from palaestra.run.weight_pushes import SyncPush
+    from palaestra.run.fleet.engine_sync import EngineSync
+    from palaestra.run.fleet.weight_pushes import SyncPush
 
 ADMIN_FILE = "admin.json"
 TOKEN_FILE = "admin.token"
@@ -166,7 +166,7 @@ class ElasticEngines:
 
     def _actor_group(self) -> EngineGroup:
         if self.actors is None:  # a run of engine.urls servers: new ones as actors too
-            from palaestra.run.engine_actors import EngineGroup, EngineLaunch
+            from palaestra.run.fleet.actors import EngineGroup, EngineLaunch
 
             server, args = self._launch
             self.actors = EngineGroup(EngineLaunch(
@@ -208,7 +208,7 @@ class ElasticEngines:
         """At a step boundary (nothing trains): the waiting servers get the current weights
         at ``version`` and join the router; returns the URLs that joined."""
         self.version, self.step = version, step
-        from palaestra.run.weight_pushes import push_to_joining
+        from palaestra.run.fleet.weight_pushes import push_to_joining
 
         joins, self._joins = self._joins, []
         joined = []

@@ -27,7 +27,7 @@ def router_problems(cfg: TrainConfig) -> list[Problem]:
                 "engine.router_args are flags of SGLang's router: set engine.router = 'sglang' "
                 "too, or drop them"))]
         return []
-    from palaestra.run.run_engines import engine_actor_count
+    from palaestra.run.fleet.start import engine_actor_count
 
     out = []
     if e.kind != "sglang":

@@ -5,7 +5,7 @@ GPU nodes (``engine_gpus / engine_tp`` engines) or ``placement.engines = N`` on 
 ``engine.kind = "local"`` (each actor serves the embedded engine with ``palaestra serve``) or
 ``"sglang"`` (``sglang.launch_server``), and neither ``engine.urls`` nor ``engine.launch`` (those
 engines are the run's then, and the plan only estimates). `start_engine_actors` starts them
-(`palaestra.run.engine_actors.EngineGroup`) and returns an `ActorEngine` over their URLs with
+(`palaestra.run.fleet.actors.EngineGroup`) and returns an `ActorEngine` over their URLs with
 the ``[engine]`` section the run then uses for them (`served_section`: servers, so the weights go
 by ``engine.weight_sync`` to servers, not in process). `engine_actor_problems` are the load-time
 checks. Colocated engine actors beside a trainer group (`shares_trainer_bundles`) reserve one
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 from palaestra.config import Problem
 
 if TYPE_CHECKING:
-    from palaestra.run.engine_actors import ActorEngine
-    from palaestra.run.placement import RunPlan
+    from palaestra.run.fleet.actors import ActorEngine
+    from palaestra.run.fleet.placement import RunPlan
     from palaestra.run.config import EngineSection, TrainConfig
 
 
@@ -136,7 +136,7 @@ async def start_engine_actors(cfg: TrainConfig, model_path: Path
     run uses for them and an engine over their servers (closing it stops the actors)."""
     if not engine_actor_count(cfg):
         return None
-    from palaestra.run.engine_actors import ActorEngine, EngineGroup, EngineLaunch
+    from palaestra.run.fleet.actors import ActorEngine, EngineGroup, EngineLaunch
     from palaestra.run.trainer_plan import require_plan
 
     plan = require_plan(cfg)

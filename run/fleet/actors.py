@@ -41,7 +41,7 @@ from palaestra.errors import ConfigError, EngineError, MissingExtraError, Palaes
 from palaestra.engines.clients.sglang import SGLangEngine
 
 if TYPE_CHECKING:
-    from palaestra.run.placement import RunPlan
+    from palaestra.run.fleet.placement import RunPlan
 
 #: Ray lets an actor see every GPU of its node when this is set (its bundles' ids are then real)
 _NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
