@@ -2,7 +2,7 @@
 training backend and its per-phase settings.
 
 Each builder takes the config sections (or values) it reads, never the whole `TrainConfig`, and
-returns a typed object, so a reader sees what a builder depends on. `palaestra.run.loop`
+returns a typed object, so a reader sees what a builder depends on. `palaestra.run.rl`
 (RL) and `palaestra.run.phases.offline` (SFT/DPO) both build from here (neither imports the
 other for it).
 """

@@ -301,7 +301,7 @@ def test_short_grpo_run_on_a_real_mcp_server(tmp_path, tokenizer_dir, monkeypatc
     (the task's setup call), and its reward is read back from that server."""
     from palaestra.config import load_config
     from palaestra.run.config import TrainConfig
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     (tmp_path / "mcp_train_reward.py").write_text(TRAIN_REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -125,7 +125,7 @@ def test_the_flat_spelling_of_earlier_configs_loads_with_a_deprecation_warning()
     with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="weight_sync.backend"):
         _cfg(**SERVERS, weight_sync="disk", **{**flat, "sync_backend": "gloo"})
     # the resume check re-resolves an earlier run's flat config.json to the current spelling
-    from palaestra.run.loop import _resolved
+    from palaestra.run.train import _resolved
 
     current = _cfg(**SERVERS).model_dump(mode="json")
     recorded = {**current, "engine": {**{k: v for k, v in current["engine"].items()

@@ -1,153 +1,57 @@
-"""``palaestra train``: the RL loop (sync or async), its SFT warm start, evaluation and resume.
+"""The RL phase of ``palaestra train``: `RLRun`, one step at a time, resumable.
 
-One run, in phases recorded in ``state.json`` so that a killed run resumes where it stopped::
-
-    init eval -> [warm-up SFT on demonstrations -> sft eval] -> RL steps -> rl eval -> curves
-
-RL step (sync): rollout batch (engines at policy version v) -> advantages -> train step(s) ->
-weights to the engines (version v+1) -> metrics -> checkpoint. Async: the manager generates batch
-k+1 while step k trains (in a worker thread, so the engine keeps serving), bounded by
-``rollout.max_staleness``. The embedded engine lives in this process: ``cluster = "local"`` hands
-it to in-process workers; ``cluster = "ray"`` serves it over loopback HTTP (SGLang's native API)
-to Ray workers. ``engine.kind = "sglang"`` attaches to SGLang servers instead; `EngineSync` moves
-the weights after every step (in process, NCCL/gloo broadcast, disk or HTTP tensors).
+RL step (sync): rollout batch (engines at policy version v) -> the learner's update
+(`palaestra.trainers.update`: advantages and optimizer steps) -> the backend's weights to the
+engines (version v+1) by the run's push, while the rollout manager holds generation paused ->
+metrics -> evaluation -> checkpoint. Async: the manager generates batch k+1 while step k trains
+(the update runs in a worker thread, so the engine keeps serving), bounded by
+``rollout.max_staleness``.
 
 Exact resume (sync mode): every request samples from its own seed (run seed, task draw, episode
 index, request index), batches are in draw order and never drawn ahead (`RolloutManager`'s exact
 batches), so a run killed at any step and resumed trains on the same samples as an uninterrupted
 one. Async mode runs episodes across a checkpoint: the checkpoint holds them whole
 (`RolloutManager.checkpoint_state`), and a resumed run plays them on from their last completed
-turn. A resume refuses fixed settings that differ from the recorded ``config.json``
-(`run_dir.check_resume`); a larger ``trainer.steps`` extends a finished run. Failed episodes go to
-``failures.jsonl`` (with a console line per step), a step whose gradients are not finite is
-counted in ``train/skipped_steps``, the console is copied to ``console.log``, and the end of a run
-prints the time of each phase.
+turn. Failed episodes go to ``failures.jsonl`` (with a console line per step), and a step whose
+gradients are not finite is counted in ``train/skipped_steps``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
-from contextvars import ContextVar
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from palaestra.config import save_resolved
 from palaestra.contracts import Closeable
-from palaestra.run.builders import agent_spec, build_backend, build_engine
+from palaestra.run.builders import build_backend
 from palaestra.run.config import TrainConfig
 from palaestra.run.fleet.engine_sync import EngineSync
-from palaestra.run.run_dir import ConsoleLog, RunDir, check_resume, plot_curves
-from palaestra.run.services import run_env_kwargs, run_services
+from palaestra.run.held_out import evaluate_stage, train_rows
+from palaestra.run.run_dir import RunDir
+from palaestra.run.services import run_env_kwargs
 from palaestra.trace_ranges import span
 
 if TYPE_CHECKING:
     from palaestra.agents.spec import AgentSpec
     from palaestra.contracts import TrainerBackend
-    from palaestra.engine import Engine
     from palaestra.engines import LocalEngine
     from palaestra.engines.clients.sglang import SGLangEngine
     from palaestra.engines.serve.serve import RunningServer
     from palaestra.rollout.manager import RolloutBatch, RolloutManager
     from palaestra.rollout.rewards.worker import RewardClient
+    from palaestra.run.evaluation import TrainingEvaluation
     from palaestra.run.fleet.colocate import ColocatedPhases
     from palaestra.run.fleet.elastic import AdminServer, ElasticEngines
-    from palaestra.run.evaluation import TrainingEvaluation
-    from palaestra.run.parity import ParityCheck
     from palaestra.run.fleet.placement import RunPlan
     from palaestra.run.fleet.weight_pushes import SyncPush
+    from palaestra.run.parity import ParityCheck
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.ppo.step import Critic
     from palaestra.trainers.update import Learner
-
-
-def ensure_model(cfg: TrainConfig) -> Path:
-    """The policy checkpoint; built locally (``palaestra init-model``) when asked and missing."""
-    path = cfg.in_run(cfg.model.path)
-    if (path / "config.json").exists():
-        return path
-    if cfg.model.init_from is not None:
-        from palaestra.model_import import import_model
-
-        return import_model(cfg.model.init_from, path, dtype=cfg.model.init_dtype)
-    if cfg.model.init_size is None:
-        from palaestra.errors import ConfigError
-
-        raise ConfigError(
-            f"no model at {str(path)!r}: point model.path at a Hugging Face checkpoint, or set "
-            "model.init_size (e.g. \"tiny\") or model.init_from to build or fetch one there"
-        )
-    from palaestra.tiny_model import build_model
-
-    return build_model(path, cfg.model.init_size, seed=cfg.model.init_seed)
-
-
-async def evaluate_stage(
-    cfg: TrainConfig, run: RunDir, engine: Engine, spec: AgentSpec, stage: str,
-    step: int | None = None,
-) -> dict[str, float]:
-    """Success rate on the fixed held-out tasks; logged to eval.jsonl under ``stage``."""
-    with _phases(_PHASE_OF_EVAL.get(stage, "evals")):
-        return await _evaluate_stage(cfg, run, engine, spec, stage, step)
-
-
-_PHASE_OF_EVAL = {"init": "init eval"}
-
-
-async def _evaluate_stage(
-    cfg: TrainConfig, run: RunDir, engine: Engine, spec: AgentSpec, stage: str, step: int | None
-) -> dict[str, float]:
-    from palaestra.run.tasks import evaluate_tasks, tasks_from_env
-
-    rows = tasks_from_env(
-        cfg.env.id, cfg.eval.num_tasks, seed=cfg.eval.seed, env_kwargs=cfg.env.kwargs
-    ) if cfg.data.path is None else _eval_rows_from_file(cfg)
-    start = time.perf_counter()
-    metrics, episodes = await evaluate_tasks(
-        engine, spec, cfg.env.id, rows, cfg.rollout.sampling(cfg.eval.temperature),
-        env_kwargs=run_env_kwargs(cfg), seed=cfg.eval.seed,
-    )
-    record = {"stage": stage, **metrics, "time_s": round(time.perf_counter() - start, 2)}
-    if step is not None:
-        record["step"] = step
-    run.log_eval(record)
-    failed = [t for t in episodes if t.failed]
-    note = ""
-    if failed:  # scored 0; say why, and keep the errors beside the training failures
-        run.log_failures(f"eval/{stage}", step or 0, failed)
-        common = Counter((t.error or t.stop_reason.value).splitlines()[0][:120] for t in failed)
-        note = f"; {len(failed)} failed, e.g. {common.most_common(1)[0][0]} (failures.jsonl)"
-    print(f"[eval {stage}] success rate {metrics['success_rate']:.3f} on {int(metrics['tasks'])} "
-          f"held-out tasks ({record['time_s']} s){note}", flush=True)
-    return metrics
-
-
-def _eval_rows_from_file(cfg: TrainConfig) -> list[dict[str, Any]]:
-    """The held-out rows: the last ``eval.num_tasks`` rows of ``data.path`` (never trained on)."""
-    from palaestra.rollout.data import load_rows, split_held_out
-
-    return split_held_out(load_rows(str(cfg.data.path)), cfg.eval.num_tasks)[1]
-
-
-def _train_rows(cfg: TrainConfig) -> list[dict[str, Any]]:
-    """Training tasks, never a held-out one: a file's rows before its held-out tail, or the
-    env's draws less those equal to a held-out draw (envs with a finite dataset repeat tasks)."""
-    from palaestra.rollout.data import load_rows, split_held_out, without_tasks
-    from palaestra.run.tasks import tasks_from_env
-
-    if cfg.data.path is None:
-        rows = tasks_from_env(
-            cfg.env.id, cfg.data.num_tasks, seed=cfg.data.seed, env_kwargs=cfg.env.kwargs
-        )
-        return without_tasks(rows, tasks_from_env(
-            cfg.env.id, cfg.eval.num_tasks, seed=cfg.eval.seed, env_kwargs=cfg.env.kwargs))
-    rows = load_rows(str(cfg.data.path))
-    return split_held_out(rows, cfg.eval.num_tasks)[0]  # the held-out tail is never trained on
 
 
 def _trainer_group(cfg: TrainConfig) -> RunPlan | None:
@@ -162,23 +66,6 @@ def _build_critic(cfg: TrainConfig, policy_path: Path) -> Critic | None:
     from palaestra.run.phases.critic import build_critic, uses_critic
 
     return build_critic(cfg, policy_path) if uses_critic(cfg) else None
-
-
-# ----------------------------------------------------------------------------------- phases
-async def run_warmup(cfg: TrainConfig, run: RunDir, model_path: Path, spec: AgentSpec) -> Path:
-    """SFT on demonstrations; returns the exported warm-started model (resumable)."""
-    from palaestra.run.phases.offline import demonstration_samples, sft_steps
-
-    out = run.root / "sft-model"
-    if (out / "config.json").exists() and run.read_state().get("phase") not in (None, "sft"):
-        return out
-    samples = demonstration_samples(cfg, spec)
-    await asyncio.to_thread(
-        sft_steps, cfg, run, model_path, samples, steps=cfg.warmup.steps,
-        batch_size=cfg.warmup.batch_size, lr=cfg.warmup.lr, phase="sft", export_to=out,
-    )
-    run.write_state({"phase": "rl", "step": 0})
-    return out
 
 
 async def run_rl(cfg: TrainConfig, run: RunDir, policy_path: Path, spec: AgentSpec,
@@ -238,7 +125,7 @@ class RLRun:
                                 placement_group=trainer_placement_group(engine),
                                 ready_timeout_s=r.start_timeout_s)
         critic = _build_critic(cfg, policy_path)  # PPO's value model (GAE advantages), else None
-        data = DataSource(_train_rows(cfg), env_id=cfg.env.id, shuffle=cfg.data.shuffle,
+        data = DataSource(train_rows(cfg), env_id=cfg.env.id, shuffle=cfg.data.shuffle,
                           seed=cfg.data.seed, epochs=cfg.data.epochs)
         server = None
         live_engine: LocalEngine | SGLangEngine | None
@@ -269,8 +156,8 @@ class RLRun:
             print(f"[rl] rollout.over_sampling = {r.over_sampling} draws nothing ahead in sync "
                   "mode (exact batches: groups drawn ahead would finish by timing); it applies "
                   "in async mode", flush=True)
-        from palaestra.run.phases.distill import build_learner
         from palaestra.run.fleet.weight_pushes import build_push
+        from palaestra.run.phases.distill import build_learner
 
         rl = cls(cfg, run, policy_path, spec, engine, sync, backend=backend, critic=critic,
                  learner=build_learner(cfg, backend, critic), push=build_push(sync, backend),
@@ -536,188 +423,4 @@ def _progress(cfg: TrainConfig, start: int) -> _Progress:
                           dynamic_ncols=True))
 
 
-# ----------------------------------------------------------------------------------- timing
-class _Phases:
-    """Wall time per phase; a phase nested in another is not counted twice (step evaluations
-    inside RL count as evals)."""
-
-    def __init__(self) -> None:
-        self.began = time.perf_counter()
-        self.seconds: dict[str, float] = {}
-        self._stack: list[list[float]] = []  # [start, time of nested phases]
-
-    @contextmanager
-    def time(self, name: str) -> Iterator[None]:
-        frame = [time.perf_counter(), 0.0]
-        self._stack.append(frame)
-        try:
-            yield
-        finally:
-            self._stack.pop()
-            spent = time.perf_counter() - frame[0]
-            self.seconds[name] = self.seconds.get(name, 0.0) + spent - frame[1]
-            if self._stack:
-                self._stack[-1][1] += spent
-
-    def summary(self) -> dict[str, float]:
-        total = time.perf_counter() - self.began
-        out = {"total": total, **self.seconds}
-        out["setup and other"] = max(0.0, total - sum(self.seconds.values()))
-        return {k: round(v, 2) for k, v in out.items()}
-
-
-_CURRENT_PHASES: ContextVar[_Phases | None] = ContextVar("palaestra_phases", default=None)
-
-
-@contextmanager
-def _phases(name: str) -> Iterator[None]:
-    phases = _CURRENT_PHASES.get()
-    if phases is None:
-        yield
-        return
-    with phases.time(name):
-        yield
-
-
-def _report_time(run: RunDir, phases: _Phases) -> None:
-    times = phases.summary()
-    (run.root / "timing.json").write_text(json.dumps(times, indent=2))
-    parts = ", ".join(f"{k} {_duration(v)}" for k, v in times.items() if k != "total" and v > 0)
-    print(f"[done] total {_duration(times['total'])} ({parts})", flush=True)
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, sec = divmod(round(seconds), 60)
-    return f"{minutes} min {sec:02d} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60:02d} min"
-
-
-def _quiet_transformers() -> None:
-    """Only our progress bars: transformers' "Loading weights" / "Writing model shards" bars
-    (and huggingface_hub's) would interleave with them."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-
-
-# ------------------------------------------------------------------------------------- main
-async def train_async(cfg: TrainConfig) -> dict[str, Any]:
-    """Run (or resume) the whole training run described by ``cfg``; returns the final evals.
-
-    Raises `ConfigError` (before touching the run directory) when it holds a run whose fixed
-    settings differ from ``cfg``.
-    """
-    check_run_dir(cfg)
-    from palaestra.run.cluster_fit import check_cluster_fit
-
-    check_cluster_fit(cfg)  # actors an existing Ray cluster cannot place: refused before work
-    run = RunDir(cfg.out, tensorboard=cfg.logging.tensorboard)
-    phases = _Phases()
-    token = _CURRENT_PHASES.set(phases)
-    try:
-        with ConsoleLog(run.root / "console.log"):
-            async with run_services(cfg, run.root):  # [services]: e.g. a retrieval server
-                result = await _train(cfg, run)
-            _report_time(run, phases)
-            return result
-    finally:
-        _CURRENT_PHASES.reset(token)
-
-
-def check_run_dir(cfg: TrainConfig) -> None:
-    """Raise `ConfigError` listing the fixed settings that differ from those of the run already
-    in ``cfg.out`` (nothing to check for a new run or with ``checkpoint.resume = false``)."""
-    if cfg.checkpoint.resume:
-        check_resume(cfg.out, json.loads(cfg.model_dump_json()), normalize=_resolved)
-
-
-def _resolved(recorded: dict[str, Any]) -> dict[str, Any]:
-    """A recorded config.json as this version resolves it (new fields at their defaults)."""
-    return json.loads(TrainConfig.model_validate(recorded).model_dump_json())  # type: ignore[no-any-return]
-
-
-async def _train(cfg: TrainConfig, run: RunDir) -> dict[str, Any]:
-    import torch
-
-    _quiet_transformers()
-    torch.manual_seed(cfg.seed)
-    state = run.read_state() if cfg.checkpoint.resume else {}
-    print(f"[palaestra train] {'resuming' if state.get('phase') else 'starting'} {run.root} at "
-          f"{time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
-    save_resolved(cfg, run.root)
-    if not cfg.checkpoint.resume:
-        run.write_state({})
-    model_path = ensure_model(cfg)
-    from palaestra.run.phases.distill import check_teacher, teacher_path
-
-    if (teacher := teacher_path(cfg)) is not None:  # the student exists now: same vocabulary?
-        check_teacher(teacher, model_path)
-    spec = agent_spec(cfg.agent, model_path)
-    try:
-        if cfg.algorithm == "rm":
-            from palaestra.run.phases.reward_model import train_reward_model
-
-            with _phases("rm"):
-                await asyncio.to_thread(train_reward_model, cfg, run, model_path)
-            return {}
-        if cfg.algorithm in ("sft", "dpo"):
-            from palaestra.run.phases.offline import run_offline
-
-            with _phases(cfg.algorithm):
-                await asyncio.to_thread(run_offline, cfg, run, model_path, spec)
-            return {}
-        from palaestra.run.on_policy import bitwise as bitwise_on_policy
-        from palaestra.run.fleet.start import start_engine_actors
-
-        # [placement] engines as Ray actors on their bundles, else the engines of [engine]
-        engine_cfg, engine = await start_engine_actors(cfg, model_path) or (
-            cfg.engine, build_engine(cfg.engine, model_path, max_model_len=cfg.agent.max_context,
-                                     seed=cfg.seed, servers_dir=Path(cfg.out) / "servers",
-                                     bitwise=bitwise_on_policy(cfg)))
-        sync: EngineSync | None = None
-        try:
-            from palaestra.engines.clients.sglang import SGLangEngine
-
-            if isinstance(engine, SGLangEngine):  # engine.kind = "sglang": attach / launch
-                await engine.start()
-            # LoRA with SGLang servers: adapters over /load_lora_adapter when this process's
-            # engine makes the requests (Ray workers' clients get the merged weights)
-            sync = EngineSync.from_config(engine_cfg, engine, model_path, out=cfg.out,
-                                          colocate=cfg.placement is not None
-                                          and cfg.placement.colocate,
-                                          lora_servers=cfg.rollout.cluster == "local")
-            if not run.has_eval("init"):
-                await evaluate_stage(cfg, run, engine, spec, "init")
-            policy_path = model_path
-            if cfg.warmup.steps > 0:
-                with _phases("sft"):
-                    policy_path = await run_warmup(cfg, run, model_path, spec)
-                    await sync.push_checkpoint(policy_path, version=0)
-                if not run.has_eval("sft"):
-                    await evaluate_stage(cfg, run, engine, spec, "sft")
-            state = run.read_state()
-            # a finished run given more steps goes on from its last checkpoint
-            if cfg.trainer.steps > 0 and (state.get("phase") != "done"
-                                          or int(state.get("step", 0)) < cfg.trainer.steps):
-                with _phases("rl"):
-                    await run_rl(cfg, run, policy_path, spec, engine, sync)
-                run.write_state({"phase": "done", "step": cfg.trainer.steps})
-            if cfg.trainer.steps > 0 and not run.has_eval("rl", step=cfg.trainer.steps):
-                await evaluate_stage(cfg, run, engine, spec, "rl", cfg.trainer.steps)
-        finally:
-            if sync is not None:
-                await sync.close()
-            await engine.close()
-        return {e["stage"]: e["success_rate"] for e in run.read_jsonl("eval.jsonl")}
-    finally:
-        with _phases("curves"):
-            plot_curves(run)
-        run.close()
-
-
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    return asyncio.run(train_async(cfg))
-
-
-__all__ = ["agent_spec", "check_run_dir", "ensure_model", "train", "train_async"]
+__all__ = ["RLRun", "run_rl"]
