@@ -55,7 +55,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import CheckpointError, ConfigError, EngineError, RolloutError
-from palaestra.rollout.branching import Branching
+from palaestra.rollout.groups import Branching
 from palaestra.rollout.cluster import WorkerClient, WorkerPool
 from palaestra.rollout.config import RolloutConfig, WorkerConfig
 from palaestra.rollout.data import DataSource, _mix

@@ -1,7 +1,7 @@
 """``trainer.on_policy``: what bitwise on-policy mode needs of the rest of a run.
 
 In bitwise mode the embedded engine and the torch backend run the same batch-invariant forward
-(`palaestra.engines.local.bitwise_forward`), so each sampled token's trainer logprob has the bits
+(`palaestra.engines.bitwise.forward`), so each sampled token's trainer logprob has the bits
 the engine reported (``rollout/logprob_max_abs_diff == 0.0`` every step). That holds only where
 both forwards are ours and read the same numbers: `on_policy_problems` refuses, before any work,
 the settings where they would not be (SGLang or launched servers, Ray engine actors, Megatron,

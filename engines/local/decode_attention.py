@@ -41,6 +41,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from palaestra.engines.triton_device import available
+
 if TYPE_CHECKING:
     import torch
 
@@ -186,18 +188,6 @@ def _kernel() -> tuple[Any, Any]:
                  out.to(out_ptr.dtype.element_ty), mask=dims < D)
 
     return split_kernel, merge_kernel
-
-
-@functools.cache
-def available(device_type: str) -> bool:
-    """Whether the Triton path can run on this device type (CUDA with Triton importable)."""
-    if device_type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _pow2(n: int) -> int:

@@ -23,7 +23,6 @@ from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from palaestra.errors import ConfigError, EngineError
 from palaestra.engine import Generation, SamplingParams
 from palaestra.engines.local.batch_sampling import BatchSampler
 from palaestra.engines.local.prefix_cache import PrefixCache
@@ -31,6 +30,7 @@ from palaestra.engines.local.request import LocalRequest, LogitsProcessor, Strea
 from palaestra.engines.local.runner import ModelRunner, choose_decode_attention
 from palaestra.engines.local.scheduler import Scheduler
 from palaestra.engines.local.slots import KVSlots, new_slot_cache
+from palaestra.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
     import torch
@@ -262,7 +262,7 @@ class LocalEngine:
         Running requests continue with the new weights; their generations record both versions
         in ``meta["weight_version_spans"]``.
         """
-        from palaestra.engines.local.model import iter_safetensors, safetensors_files
+        from palaestra.engines.weights.checkpoint_files import iter_safetensors, safetensors_files
 
         if (state_dict is None) == (path is None):
             raise EngineError("update_weights takes exactly one of state_dict or path")

@@ -166,7 +166,7 @@ class EngineSync:
         """Load a Hugging Face checkpoint folder into the engines (e.g. the warm-started policy):
         by path for the embedded engine, through the sender for servers, which may not see
         this machine's disk."""
-        from palaestra.engines.local.model import iter_safetensors, safetensors_files
+        from palaestra.engines.weights.checkpoint_files import iter_safetensors, safetensors_files
         from palaestra.engines.weights.weight_transfer import bucketize
 
         if self.sender is None:

@@ -1,7 +1,7 @@
 """Bitwise on-policy mode: the engine's and the trainer's logprobs of the same tokens are equal
 bit for bit, whatever the batch around them.
 
-From the bottom up: the batch-invariant operations (`palaestra.engines.local.invariant`) give a
+From the bottom up: the batch-invariant operations (`palaestra.engines.bitwise.invariant`) give a
 row the same bits in calls of any size and at any thread count, where the default kernels do
 not (checked too, so the premise of this mode is tested, not assumed); the decoder's decode
 steps, prefill chunks and prefix-cache hits give the logits a whole-sequence forward gives; and
@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from palaestra.engines.local import invariant as inv
+from palaestra.engines.bitwise import invariant as inv
 
 pytestmark = pytest.mark.numerics  # bit-level invariance of the CPU engine and trainer paths
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from palaestra.errors import ConfigError
+from palaestra.rollout.groups import Branching
 from palaestra.rollout.branching import (
-    Branching,
     TreeHooks,
     TreeRequest,
     expected_generated_ratio,
