@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from palaestra.agents import AgentSpec
     from palaestra.contracts import TrainerBackend
-    from palaestra.engines import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
     from palaestra.engines.clients.sglang import SGLangEngine
     from palaestra.run.fleet.placement import RunPlan
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.run.config import AgentSection, EngineSection, TrainerSection
-    from palaestra.trainers.megatron import MegatronBackend
+    from palaestra.trainers.megatron.backend import MegatronBackend
     from palaestra.trainers.megatron.config import MegatronBackendConfig
     from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
@@ -51,7 +51,7 @@ def build_engine(engine: EngineSection, model_path: Path, *, max_model_len: int,
 
         launched: SGLangEngine = launched_engine(engine, model_path, servers_dir)
         return launched
-    from palaestra.engines import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
 
     return LocalEngine(
         model_path,
@@ -74,7 +74,7 @@ def megatron_backend(megatron: MegatronBackendConfig, model_path: Path, *, seed:
     over ``steps``), with ``changes`` to those settings."""
     from transformers import AutoConfig
 
-    from palaestra.trainers.megatron import MegatronBackend
+    from palaestra.trainers.megatron.backend import MegatronBackend
 
     return MegatronBackend(AutoConfig.from_pretrained(model_path),
                            megatron_config(megatron, seed=seed, steps=steps, **changes),
@@ -128,7 +128,7 @@ def build_backend(trainer: TrainerSection, policy_path: Path, *, temperature: fl
         return TrainerGroup(policy_path, torch_cfg, group, address=ray_address,
                             placement_group=placement_group,
                             ready_timeout_s=ready_timeout_s).start()
-    from palaestra.trainers.torch_backend import TorchBackend
+    from palaestra.trainers.torch_backend.backend import TorchBackend
 
     return TorchBackend(policy_path, torch_cfg)
 

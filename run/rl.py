@@ -37,7 +37,7 @@ from palaestra.trace_ranges import span
 if TYPE_CHECKING:
     from palaestra.agents.spec import AgentSpec
     from palaestra.contracts import TrainerBackend
-    from palaestra.engines import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
     from palaestra.engines.clients.sglang import SGLangEngine
     from palaestra.engines.serve.serve import RunningServer
     from palaestra.rollout.manager import RolloutBatch, RolloutManager
@@ -115,7 +115,9 @@ class RLRun:
                     engine: LocalEngine | SGLangEngine, sync: EngineSync) -> RLRun:
         """The backend, the critic, the tasks, the engines as workers see them, the manager."""
         from palaestra.engines.clients.sglang import SGLangEngine
-        from palaestra.rollout import DataSource, EngineSpec, RolloutManager, WorkerConfig
+        from palaestra.rollout.config import EngineSpec, WorkerConfig
+        from palaestra.rollout.data import DataSource
+        from palaestra.rollout.manager import RolloutManager
         from palaestra.run.fleet.start import trainer_placement_group
 
         r = cfg.rollout

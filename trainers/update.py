@@ -101,7 +101,7 @@ class PolicyUpdate:
         self.distill = distill
 
     def update(self, samples: Sequence[Sample], step: int) -> UpdateResult:
-        from palaestra.trainers.algorithms import compute_advantages
+        from palaestra.trainers.algorithms.estimators import compute_advantages
         from palaestra.trainers.algorithms.mismatch import step_metrics, without_raw
         from palaestra.trainers.ppo.step import update_skipped, with_reward_kl_logprobs
 

@@ -76,7 +76,7 @@ def measure(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from palaestra.engines.local.local import LocalEngine
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.torch_backend.backend import TorchBackend
     from palaestra.trainers.torch_backend.config import TorchBackendConfig
 

@@ -114,7 +114,7 @@ def bench_model(name: str, args: argparse.Namespace, peak: float) -> dict[str, A
     import torch
     import transformers
 
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.megatron.arch import arch_from_hf_config
     from palaestra.trainers.megatron.backend import MegatronBackend

@@ -55,7 +55,7 @@ async def _pass(urls: list[str], label: str, args: argparse.Namespace, model: st
     from palaestra.engine import SamplingParams
     from palaestra.engines.clients.sglang import SGLangEngine
     from palaestra.envs import make
-    from palaestra.rollout import run_episode
+    from palaestra.rollout.play import run_episode
 
     router = "palaestra" if label == "palaestra" else "sglang"
     extra = args.sglang_args.split() if label == "sglang+args" else ()

@@ -25,7 +25,7 @@ from palaestra.errors import ConfigError
 if TYPE_CHECKING:
     from palaestra.contracts import WeightSource
     from palaestra.engine import Engine
-    from palaestra.engines import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
     from palaestra.engines.clients.sglang import SGLangClient, SGLangEngine
     from palaestra.engines.weights.weight_transfer import TransferStats
     from palaestra.run.config import EngineSection

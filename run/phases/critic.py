@@ -70,10 +70,10 @@ def build_critic(cfg: TrainConfig, policy_path: Path) -> Any:
     if critic_backend_name(cfg) == "megatron":
         from transformers import AutoConfig
 
-        from palaestra.trainers.megatron import MegatronBackend
+        from palaestra.trainers.megatron.backend import MegatronBackend
 
         return MegatronBackend(AutoConfig.from_pretrained(path), settings, model_path=path)
-    from palaestra.trainers.torch_backend import TorchBackend
+    from palaestra.trainers.torch_backend.backend import TorchBackend
 
     return TorchBackend(path, settings)
 

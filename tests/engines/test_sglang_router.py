@@ -68,7 +68,7 @@ async def _served(engine) -> dict[str, float]:
 async def test_router_registers_workers_and_runs_episodes(routed, model_dir: str) -> None:
     from palaestra.agents import make_agent
     from palaestra.envs import make
-    from palaestra.rollout import run_episode
+    from palaestra.rollout.play import run_episode
 
     router = routed._target.router
     workers = await router.workers()

@@ -75,7 +75,7 @@ def test_seeds_rows_and_checks(env):
 
 async def test_through_the_rollout_path(tmp_path):
     from palaestra.agents import make_agent
-    from palaestra.rollout import run_episode
+    from palaestra.rollout.play import run_episode
     from palaestra.engine import SamplingParams
     from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.tiny_model import build_model

@@ -202,7 +202,7 @@ async def test_an_engine_refusal_for_length_is_context_length_exceeded(engine_ur
     engine's 400 becomes ``context_length_exceeded`` and a truncated episode, not a 502."""
     from palaestra.engines.clients.router import Router
     from palaestra.engines.clients.sglang import SGLangClient
-    from palaestra.rollout.gateway import Gateway
+    from palaestra.rollout.gateway.gateway import Gateway
     from palaestra.rollout.gateway.engine_info import engine_context
     from palaestra.rollout.gateway.session import GatewayError
 

@@ -25,7 +25,7 @@ TASK = {"id": "t7", "question": "What is 17 + 25?", "answer": "42"}
 
 def _worker_config(tokenizer_dir: str, n_calls: int = 2) -> Any:
     from palaestra.agents import AgentSpec
-    from palaestra.rollout import EngineSpec, WorkerConfig
+    from palaestra.rollout.config import EngineSpec, WorkerConfig
     from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy
 

@@ -399,10 +399,11 @@ def test_dpo_run_learns_the_preference_and_exports(tmp_path, micro_model):
 def test_a_step_with_non_finite_gradients_is_counted_as_skipped(micro_model):
     import torch
 
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.ppo.step import update_skipped as _update_skipped
-    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     torch.set_num_threads(1)
     backend = TorchBackend(micro_model, TorchBackendConfig(device="cpu", lr=0.01))

@@ -67,7 +67,7 @@ def test_backend_capabilities_are_read_from_types() -> None:
 
 
 def test_server_engines_serve_adapters_and_release_memory_through_their_clients() -> None:
-    from palaestra.engines import ScriptedEngine
+    from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.engines.clients.sglang import SGLangClient, SGLangEngine
 
     servers = SGLangEngine(["http://127.0.0.1:9"], health_interval_s=0)
@@ -78,7 +78,7 @@ def test_server_engines_serve_adapters_and_release_memory_through_their_clients(
 
 
 def test_one_path_per_combination(tmp_path: Path) -> None:
-    from palaestra.engines import ScriptedEngine
+    from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.engines.clients.sglang import SGLangClient, SGLangEngine
     from palaestra.engines.weights.weight_transfer import DiskWeightSender
 
@@ -104,7 +104,7 @@ def test_one_path_per_combination(tmp_path: Path) -> None:
 def test_the_embedded_engine_hosts_adapters(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     torch.set_num_threads(1)
-    from palaestra.engines import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
     from palaestra.tiny_model import build_model
 
     engine = LocalEngine(model_path=str(build_model(tmp_path / "m", "micro")), device="cpu")
@@ -116,7 +116,7 @@ def test_the_embedded_engine_hosts_adapters(tmp_path: Path) -> None:
 
 
 async def test_the_push_is_built_once_and_keeps_its_timing() -> None:
-    from palaestra.engines import ScriptedEngine
+    from palaestra.engines.clients.scripted import ScriptedEngine
 
     sync = EngineSync("in_process", ScriptedEngine([1]), bucket_bytes=1 << 20)
     push = build_push(sync, FullWeights())

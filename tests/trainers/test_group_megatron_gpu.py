@@ -39,7 +39,7 @@ def test_megatron_rank_in_process_matches_the_backend(tmp_path):
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.algorithms.objective import batch_loss_weights
     from palaestra.trainers.group.actor import TrainerRank, free_port
-    from palaestra.trainers.megatron import MegatronBackend
+    from palaestra.trainers.megatron.backend import MegatronBackend
     from palaestra.trainers.megatron.config import MegatronBackendConfig
 
     model = build_model(tmp_path / "m", "tiny", seed=1)

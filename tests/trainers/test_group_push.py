@@ -120,7 +120,8 @@ async def test_rank_zero_pushes_to_servers_without_the_driver(model, server, ray
     from palaestra.trainers.group.group import TrainerGroup
     from palaestra.trainers.group.push import EnginePushSpec
     from palaestra.run.fleet.weight_pushes import GroupPush, build_push, push_to_joining
-    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     cfg = TorchBackendConfig(device="cpu", dtype="float32", lr=1e-2, pack_sequences=False)
     loss = LossConfig.from_preset("grpo")

@@ -101,7 +101,7 @@ async def test_group_ranks_start_on_the_engines_bundles(ray_local, micro_model, 
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.group.group import TrainerGroup
-    from palaestra.trainers.torch_backend import TorchBackendConfig
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     plan = plan_run(SHARED, on_gpu=False)
     engines = EngineGroup(EngineLaunch(str(micro_model), extra_args=("--threads", "1"),
@@ -260,7 +260,7 @@ async def test_an_engine_and_a_rank_share_one_gpu_bundle_gpu(micro_model, tmp_pa
     from palaestra.run.fleet.actors import ActorEngine, EngineGroup, EngineLaunch
     from palaestra.engines.clients.sglang import SGLangClient
     from palaestra.trainers.group.group import TrainerGroup
-    from palaestra.trainers.torch_backend import TorchBackendConfig
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     if ray.is_initialized():
         ray.shutdown()

@@ -57,7 +57,8 @@ def ray_local():
 @pytest.mark.slow
 def test_two_rank_group_matches_one_process(tmp_path, ray_local):
     from palaestra.trainers.group.group import TrainerGroup
-    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     model = tiny_model(tmp_path / "model")
     cfg = TorchBackendConfig(device="cpu", dtype="float32", lr=1e-3,

@@ -76,7 +76,7 @@ class TrainerRank:
         if isinstance(config, MegatronBackendConfig):
             self._build_megatron(Path(model_path), config)
         else:
-            from palaestra.trainers.torch_backend import TorchBackend
+            from palaestra.trainers.torch_backend.backend import TorchBackend
 
             self.kind = "torch"
             self.backend = TorchBackend(Path(model_path), config)
@@ -96,7 +96,7 @@ class TrainerRank:
         require_megatron()  # MissingExtraError with the install command
         from transformers import AutoConfig
 
-        from palaestra.trainers.megatron import MegatronBackend
+        from palaestra.trainers.megatron.backend import MegatronBackend
 
         self.kind = "megatron"
         self.backend = MegatronBackend(AutoConfig.from_pretrained(model_path), config,

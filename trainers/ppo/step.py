@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from palaestra.trainers.algorithms import compute_advantages
+from palaestra.trainers.algorithms.estimators import compute_advantages
 from palaestra.trainers.batching import TrainBatch
 
 if TYPE_CHECKING:
