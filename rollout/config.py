@@ -62,7 +62,7 @@ class EngineSpec:
         if self.factory is not None:
             return self.factory()
         from palaestra.engines.clients.router import Router
-        from palaestra.engines.clients.sglang import SGLangClient
+        from palaestra.engines.clients.sglang_client import SGLangClient
 
         kwargs = dict(self.client_kwargs)
         router_kwargs = kwargs.pop("router", {})

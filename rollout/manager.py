@@ -615,7 +615,7 @@ class RolloutManager:
         from dataclasses import replace
 
         from palaestra.engines.clients.router import Router
-        from palaestra.engines.clients.sglang import SGLangClient
+        from palaestra.engines.clients.sglang_client import SGLangClient
 
         spec = self.worker_config.engine
         if spec.owned or not spec.urls:

@@ -312,7 +312,7 @@ class RolloutWorker:
         spec = self.config.engine
         self.config = replace(self.config, engine=replace(spec, urls=tuple(urls)))
         from palaestra.engines.clients.router import Router
-        from palaestra.engines.clients.sglang import SGLangClient
+        from palaestra.engines.clients.sglang_client import SGLangClient
 
         router = self._engine
         out = {"finished": 0.0, "retried": 0.0}

@@ -33,7 +33,8 @@ from palaestra.engine import EngineUnavailableError, Generation, SamplingParams
 from palaestra.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
-    from palaestra.engines.clients.sglang import ServerProcess, SGLangClient
+    from palaestra.engines.clients.server_process import ServerProcess
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
 #: the pip requirement the router is tested with (pyproject's dev extra pins the same)
 ROUTER_REQUIREMENT = "sglang-router==0.3.2"

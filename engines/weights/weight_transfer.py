@@ -37,7 +37,7 @@ from palaestra.engines.weights.weight_group import DEFAULT_GROUP_NAME, dtype_nam
 if TYPE_CHECKING:
     import torch
 
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
 Bucket = list[tuple[str, "torch.Tensor"]]
 

@@ -89,7 +89,7 @@ class JudgeSource:
 
             self._engine = LocalEngine(cfg.path, device=cfg.device, max_running=cfg.batch_size)
         else:
-            from palaestra.engines.clients.sglang import SGLangClient
+            from palaestra.engines.clients.sglang_client import SGLangClient
 
             self._engine = SGLangClient(str(cfg.url), retries=0)
 

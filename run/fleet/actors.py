@@ -468,5 +468,10 @@ class ActorEngine(SGLangEngine):
             await self.actor_group.close()
 
 
+def actor_group_of(engine: object) -> EngineGroup | None:
+    """The engine actors behind ``engine`` (an `ActorEngine`), else None."""
+    return engine.actor_group if isinstance(engine, ActorEngine) else None
+
+
 __all__ = ["ActorEngine", "EngineActor", "EngineGroup", "EngineLaunch", "EngineMember",
-           "ensure_ray", "server_argv"]
+           "actor_group_of", "ensure_ray", "server_argv"]

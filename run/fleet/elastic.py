@@ -46,10 +46,12 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from palaestra.errors import ConfigError, EngineError, PalaestraError
+from palaestra.run.fleet.actors import actor_group_of
 
 if TYPE_CHECKING:
-    from palaestra.run.fleet.actors import EngineGroup
     from palaestra.engines.clients.router import Router
+    from palaestra.engines.clients.sglang import SGLangEngine
+    from palaestra.run.fleet.actors import EngineGroup
     from palaestra.engines.clients.sglang_router import SGLangRouted
     from palaestra.rollout.manager import RolloutManager
     from palaestra.run.fleet.engine_sync import EngineSync
@@ -88,14 +90,14 @@ class _Join:
 class ElasticEngines:
     """The run's side: joins and removals of the servers of an `SGLangEngine`."""
 
-    def __init__(self, engine: Any, sync: EngineSync, policy_path: Path, *,
+    def __init__(self, engine: SGLangEngine, sync: EngineSync, policy_path: Path, *,
                  cluster: str = "local", drain_timeout_s: float = 60.0,
                  manager: RolloutManager | None = None, server: str = "palaestra",
                  launch_args: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.manager = manager  # Ray workers: membership changes go to them through it
         #: the engine actors of the run (or of `add --gpus`); the launch of new ones
-        self.actors: EngineGroup | None = getattr(engine, "actor_group", None)
+        self.actors: EngineGroup | None = actor_group_of(engine)
         self._own_actors = False
         self._launch = (server, launch_args)
         self._worker_metrics: dict[str, float] = {}
@@ -109,22 +111,14 @@ class ElasticEngines:
         self._joins: list[_Join] = []
         self._clients_changed = False
         self._retired: list[Any] = []  # removed clients, closed once no push holds them
-        self._client_kw = dict(getattr(engine, "client_kw", {}))
+        self._client_kw = dict(engine.client_kw)
 
     # ------------------------------------------------------------------------ router
     def router(self) -> Router | SGLangRouted:
         """The engine's `Router` (an engine of one server gets one, so it can grow), or SGLang's
         router in front of its servers (``engine.router = "sglang"``: joins and removals go
         through its worker API)."""
-        from palaestra.engines.clients.router import Router
-        from palaestra.engines.clients.sglang_router import SGLangRouted
-
-        target = self.engine._engine()  # raises unless started
-        if not isinstance(target, (Router, SGLangRouted)):
-            target = Router(list(self.engine.clients),
-                            health_interval_s=getattr(self.engine, "health_interval_s", 5.0))
-            self.engine._target = target
-        return target
+        return self.engine.membership()  # raises unless started
 
     def urls(self) -> list[str]:
         return [c.url for c in self.engine.clients]
@@ -139,7 +133,7 @@ class ElasticEngines:
         return await self._add(url, actor=False)
 
     async def _add(self, url: str, *, actor: bool) -> dict[str, Any]:
-        from palaestra.engines.clients.sglang import SGLangClient
+        from palaestra.engines.clients.sglang_client import SGLangClient
 
         client = SGLangClient(url, **self._client_kw)
         try:

@@ -26,9 +26,11 @@ if TYPE_CHECKING:
     from palaestra.contracts import WeightSource
     from palaestra.engine import Engine
     from palaestra.engines.local.local import LocalEngine
-    from palaestra.engines.clients.sglang import SGLangClient, SGLangEngine
+    from palaestra.engines.clients.sglang import SGLangEngine
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.engines.weights.weight_transfer import TransferStats
     from palaestra.run.config import EngineSection
+    from palaestra.run.fleet.actors import EngineGroup
     from palaestra.trainers.group.push import EnginePushSpec
 
 
@@ -141,6 +143,7 @@ class EngineSync:
             DistributedWeightSender,
             IpcWeightSender,
         )
+        from palaestra.run.fleet.actors import actor_group_of
         from palaestra.trainers.group.push import EnginePushSpec
 
         clients = self.server_clients()
@@ -153,7 +156,7 @@ class EngineSync:
             kw = {"directory": str(s.directory),
                   "model_dir": None if s.model_dir is None else str(s.model_dir)}
         elif isinstance(s, IpcWeightSender):  # a sender must share its server's host and GPU
-            kw = {"timeout_s": s.timeout_s, "rank_urls": _neighbour_urls(self.engine),
+            kw = {"timeout_s": s.timeout_s, "rank_urls": _neighbour_urls(actor_group_of(self.engine)),
                   "tp_sizes": tuple(c.tp_size for c in clients)}
         else:
             kw = {"tp_sizes": tuple(c.tp_size for c in clients)}
@@ -236,11 +239,10 @@ class EngineSync:
             await self.sender.close()
 
 
-def _neighbour_urls(engine: Any) -> tuple[str, ...]:
-    """The server beside each trainer rank, by rank, when the run's engine actors share the
-    trainer group's bundles (engine i on rank i's GPU, one GPU each); else ()."""
-    group = getattr(engine, "actor_group", None)
-    if group is None or getattr(group, "placement_group", None) is None:
+def _neighbour_urls(group: EngineGroup | None) -> tuple[str, ...]:
+    """The server beside each trainer rank, by rank, when the run's engine actors (``group``)
+    share the trainer group's bundles (engine i on rank i's GPU, one GPU each); else ()."""
+    if group is None or group.placement_group is None:
         return ()
     shared = sorted((m for m in group.members if m.placement_group is None and m.gpus <= 1),
                     key=lambda m: m.index)

@@ -81,8 +81,10 @@ def shares_trainer_bundles(cfg: TrainConfig, plan: RunPlan) -> bool:
 def trainer_placement_group(engine: object) -> object | None:
     """The placement group a trainer group starts its ranks in: the one the run's engine
     actors reserved for both (a colocated plan), else None (the group reserves its own)."""
-    group = getattr(engine, "actor_group", None)
-    return getattr(group, "placement_group", None)
+    from palaestra.run.fleet.actors import actor_group_of
+
+    group = actor_group_of(engine)
+    return None if group is None else group.placement_group
 
 
 def engine_actor_lines(cfg: TrainConfig, plan: RunPlan) -> list[str]:

@@ -29,7 +29,7 @@ from palaestra.errors import ConfigError
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.engines.weights.weight_transfer import TransferStats
     from palaestra.run.fleet.engine_sync import EngineSync
 

@@ -71,7 +71,7 @@ async def _greedy_of(model: Path, weights: dict[str, torch.Tensor]) -> Any:
 
 
 async def test_ipc_buckets_reach_a_real_server_exactly(model: Path, server: str) -> None:
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.engines.weights.weight_transfer import IpcWeightSender, bucketize
 
     weights = _new_weights(model, seed=11)
@@ -99,7 +99,7 @@ async def test_ipc_buckets_reach_a_real_server_exactly(model: Path, server: str)
 
 async def test_sglang_client_tensor_format_sglang_speaks_the_same_handles(model: Path,
                                                                           server: str) -> None:
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
     weights = _new_weights(model, seed=12)
     client = SGLangClient(server, retries=0, tensor_format="sglang")
@@ -162,7 +162,7 @@ def _fd_payload() -> str:
 ])
 async def test_bad_payloads_are_refused_by_the_server(server: str, payload: str,
                                                       message: str) -> None:
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
     client = SGLangClient(server, retries=0)
     try:
@@ -174,7 +174,7 @@ async def test_bad_payloads_are_refused_by_the_server(server: str, payload: str,
 
 
 async def test_file_descriptor_payload_is_refused_with_the_fix(server: str) -> None:
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
     client = SGLangClient(server, retries=0)
     try:
@@ -186,7 +186,7 @@ async def test_file_descriptor_payload_is_refused_with_the_fix(server: str) -> N
 
 async def test_servers_elsewhere_and_bad_config_are_refused() -> None:
     from palaestra.config import validate
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.engines.weights.weight_transfer import IpcWeightSender, on_this_host
     from palaestra.run.config import IpcSync, TrainConfig
     from palaestra.run.fleet.engine_sync import resolve_method

@@ -171,7 +171,7 @@ async def test_server_returns_sglang_routed_experts(moe_tiny_dir: str, model_dir
     """Our /generate speaks SGLang's return_routed_experts; SGLangClient decodes it."""
     import aiohttp
 
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.engines.serve.serve import start_server
 
     engine = LocalEngine(moe_tiny_dir, device="cpu")

@@ -26,7 +26,7 @@ SERVE_ARGS = ("--threads", "1", "--max-running", "64")
 
 
 async def _workers(model_dir: str, n: int, log_dir) -> list:
-    from palaestra.engines.clients.sglang import wait_all_ready
+    from palaestra.engines.clients.server_process import wait_all_ready
     from palaestra.engines.serve.serve import serve_process
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -134,7 +134,8 @@ async def test_weight_updates_and_flush_reach_every_worker(routed, other_weights
 @pytest.mark.slow
 async def test_workers_join_and_leave_while_requests_are_in_flight(model_dir: str,
                                                                    tmp_path) -> None:
-    from palaestra.engines.clients.sglang import SGLangClient, SGLangEngine
+    from palaestra.engines.clients.sglang import SGLangEngine
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
     procs = await _workers(model_dir, 3, tmp_path)
     first, second, third = procs

@@ -20,7 +20,7 @@ from palaestra.errors import ConfigError, EngineError
 from palaestra.engine import SamplingParams
 from palaestra.engines.local.local import LocalEngine
 from palaestra.engines.serve.serve import serve_process
-from palaestra.engines.clients.sglang import SGLangClient
+from palaestra.engines.clients.sglang_client import SGLangClient
 from palaestra.engines.weights.weight_transfer import (
     DiskWeightSender,
     DistributedWeightSender,

@@ -339,7 +339,7 @@ async def test_a_gpu_engine_actor_serves_on_its_bundles_gpu(micro_model, tmp_pat
 
     from palaestra.engine import SamplingParams
     from palaestra.run.fleet.actors import ActorEngine, EngineGroup, EngineLaunch
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
     started = not ray.is_initialized()
     if started:

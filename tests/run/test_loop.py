@@ -275,7 +275,7 @@ def test_grpo_against_a_separate_server_process(tmp_path, micro_model, yes_env, 
     from safetensors.torch import load_file
 
     from palaestra.engines.serve.serve import serve_process
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.run.train import train
 
     demos = tmp_path / "demos.jsonl"  # a short warm start: its policy reaches the server too

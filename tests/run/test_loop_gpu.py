@@ -77,7 +77,7 @@ def test_disaggregated_trainer_and_server_over_nccl(tmp_path):
     from safetensors.torch import load_file
 
     from palaestra.engines.serve.serve import serve_process
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.tiny_model import build_model
     from palaestra.run.train import train
 

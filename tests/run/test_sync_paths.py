@@ -68,7 +68,8 @@ def test_backend_capabilities_are_read_from_types() -> None:
 
 def test_server_engines_serve_adapters_and_release_memory_through_their_clients() -> None:
     from palaestra.engines.clients.scripted import ScriptedEngine
-    from palaestra.engines.clients.sglang import SGLangClient, SGLangEngine
+    from palaestra.engines.clients.sglang import SGLangEngine
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
     servers = SGLangEngine(["http://127.0.0.1:9"], health_interval_s=0)
     assert isinstance(servers, AdapterServing) and not isinstance(servers, AdapterHost)
@@ -79,7 +80,8 @@ def test_server_engines_serve_adapters_and_release_memory_through_their_clients(
 
 def test_one_path_per_combination(tmp_path: Path) -> None:
     from palaestra.engines.clients.scripted import ScriptedEngine
-    from palaestra.engines.clients.sglang import SGLangClient, SGLangEngine
+    from palaestra.engines.clients.sglang import SGLangEngine
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.engines.weights.weight_transfer import DiskWeightSender
 
     local = EngineSync("in_process", ScriptedEngine([1]), bucket_bytes=1 << 20)

@@ -95,7 +95,7 @@ def _push_to_a_server(rank, model, want) -> None:
     import asyncio
 
     from palaestra.engines.serve.serve import serve_process
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.trainers.group.push import EnginePushSpec
 
     server = serve_process(model, device="cpu", extra=("--threads", "2", "--max-running", "4"))

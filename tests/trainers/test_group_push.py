@@ -87,7 +87,7 @@ def _sync(url: str, tmp_path: Path, model: Path, kind: str):
 
 async def _check_server(url: str, want: dict[str, torch.Tensor], version: int) -> Any:
     """The server holds ``want`` at ``version``; its greedy generation of PROMPT."""
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
     client = SGLangClient(url, retries=0)
     try:

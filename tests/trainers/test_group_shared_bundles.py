@@ -97,7 +97,7 @@ def _bundle_free(pg_id: str) -> dict[int, tuple[float, float]]:
 
 async def test_group_ranks_start_on_the_engines_bundles(ray_local, micro_model, tmp_path):
     from palaestra.run.fleet.actors import EngineGroup, EngineLaunch
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.group.group import TrainerGroup
@@ -133,12 +133,10 @@ async def test_group_ranks_start_on_the_engines_bundles(ray_local, micro_model, 
                 finally:
                     await client.close()
             # ipc beside the ranks: each rank hands its gathered weights to its own engine
-            from types import SimpleNamespace
-
             from palaestra.run.fleet.engine_sync import _neighbour_urls
             from palaestra.trainers.group.push import EnginePushSpec
 
-            neighbours = _neighbour_urls(SimpleNamespace(actor_group=engines))
+            neighbours = _neighbour_urls(engines)
             by_index = sorted(engines.members, key=lambda m: m.index)
             assert neighbours == tuple(m.url for m in by_index)
             spec = EnginePushSpec(method="ipc", urls=tuple(engines.urls), bucket_bytes=1 << 20,
@@ -258,7 +256,7 @@ async def test_an_engine_and_a_rank_share_one_gpu_bundle_gpu(micro_model, tmp_pa
     trains on CUDA beside it."""
     from palaestra.engine import SamplingParams
     from palaestra.run.fleet.actors import ActorEngine, EngineGroup, EngineLaunch
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.trainers.group.group import TrainerGroup
     from palaestra.trainers.torch_backend.config import TorchBackendConfig
 

@@ -146,7 +146,7 @@ class RankPusher:
         return stats
 
     def _make_sender(self, spec: EnginePushSpec) -> None:
-        from palaestra.engines.clients.sglang import SGLangClient
+        from palaestra.engines.clients.sglang_client import SGLangClient
         from palaestra.engines.weights.weight_transfer import (
             DiskWeightSender,
             DistributedWeightSender,
