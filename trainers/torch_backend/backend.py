@@ -423,7 +423,15 @@ class TorchBackend:
         forward (`palaestra.trainers.torch_backend.parity`)."""
         from palaestra.trainers.torch_backend.parity import full_logprobs
 
-        return full_logprobs(self, token_ids, positions)
+        if self.config.critic:
+            raise ConfigError("this backend is a critic: it has no next-token distribution")
+        if self.fsdp:
+            raise ConfigError("full_logprobs runs on one unsharded trainer process")
+        return full_logprobs(
+            token_ids, positions, model=self.model, device=self.device,
+            pack=self.config.pack_sequences, temperature=self.config.logits_temperature,
+            bitwise=self.bitwise, autocast=self._autocast,
+            hidden_states=lambda mb: self._run_model(self.model, mb, hidden=True)[0])
 
     def load_teacher(self, path: str | Path) -> None:
         """Load the frozen teacher of on-policy distillation (a Hugging Face folder with the
