@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from palaestra.run.fleet.placement import RunPlan
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
-    from palaestra.run.config import AgentSection, EngineSection, TrainerSection
+    from palaestra.run.sections import AgentSection, EngineSection, TrainerSection
     from palaestra.trainers.megatron.backend import MegatronBackend
     from palaestra.trainers.megatron.config import MegatronBackendConfig
     from palaestra.trainers.torch_backend.config import TorchBackendConfig

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from palaestra.errors import ConfigError
-from palaestra.run.config import DiskSync, DistributedSync, TrainConfig
+from palaestra.run.config import TrainConfig
+from palaestra.run.fleet.sync_settings import DiskSync, DistributedSync
 
 GIB = 1024**3
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from palaestra.engines.clients.sglang import SGLangEngine
     from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.engines.weights.weight_transfer import TransferStats
-    from palaestra.run.config import EngineSection
+    from palaestra.run.sections import EngineSection
     from palaestra.run.fleet.actors import EngineGroup
     from palaestra.trainers.group.push import EnginePushSpec
 
@@ -102,7 +102,7 @@ class EngineSync:
             DistributedWeightSender,
             IpcWeightSender,
         )
-        from palaestra.run.config import DiskSync, DistributedSync, IpcSync
+        from palaestra.run.fleet.sync_settings import DiskSync, DistributedSync, IpcSync
 
         method = resolve_method(settings, colocate=colocate)
         e = settings.sync_settings(method)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from palaestra.engines.clients.server_process import SGLangServerConfig
-    from palaestra.run.config import EngineSection
+    from palaestra.run.sections import EngineSection
 
 
 def server_configs(engine: EngineSection, model_path: Path) -> list[SGLangServerConfig]:

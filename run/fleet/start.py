@@ -23,10 +23,10 @@ from palaestra.config import Problem
 if TYPE_CHECKING:
     from palaestra.run.fleet.actors import ActorEngine
     from palaestra.run.fleet.placement import RunPlan
-    from palaestra.run.config import EngineSection, TrainConfig
+    from palaestra.run.sections import EngineSection, RunSettings
 
 
-def engine_actor_count(cfg: TrainConfig) -> int:
+def engine_actor_count(cfg: RunSettings) -> int:
     """Engines this run starts as Ray actors (0: the engines of ``[engine]``)."""
     from palaestra.run.trainer_plan import trainer_on_gpu
 
@@ -38,7 +38,7 @@ def engine_actor_count(cfg: TrainConfig) -> int:
     return p.engines
 
 
-def engine_actor_problems(cfg: TrainConfig) -> list[Problem]:
+def engine_actor_problems(cfg: RunSettings) -> list[Problem]:
     """Why the engine actors of ``[placement]`` cannot start (checked when the config loads)."""
     p, e = cfg.placement, cfg.engine
     if p is None:
@@ -71,7 +71,7 @@ def engine_actor_problems(cfg: TrainConfig) -> list[Problem]:
     return out
 
 
-def shares_trainer_bundles(cfg: TrainConfig, plan: RunPlan) -> bool:
+def shares_trainer_bundles(cfg: RunSettings, plan: RunPlan) -> bool:
     """Whether the engine actors and the trainer group share one placement group: colocated
     engine actors beside a trainer group (engine i on trainer rank i's bundles)."""
     return (engine_actor_count(cfg) > 0 and cfg.placement is not None
@@ -87,7 +87,7 @@ def trainer_placement_group(engine: object) -> object | None:
     return None if group is None else group.placement_group
 
 
-def engine_actor_lines(cfg: TrainConfig, plan: RunPlan) -> list[str]:
+def engine_actor_lines(cfg: RunSettings, plan: RunPlan) -> list[str]:
     """``--dry-run``: the engine actors the run starts, one line each (none: what serves)."""
     count = engine_actor_count(cfg)
     if not count:
@@ -119,7 +119,7 @@ def served_section(engine: EngineSection) -> EngineSection:
     return engine.model_copy(update={"kind": "sglang"})
 
 
-def _serve_args(cfg: TrainConfig) -> tuple[str, ...]:
+def _serve_args(cfg: RunSettings) -> tuple[str, ...]:
     """The server's own settings from ``[engine]`` (the launch args win when they set one)."""
     given = list(cfg.engine.launch_args)
     if cfg.engine.kind == "sglang":
@@ -132,7 +132,7 @@ def _serve_args(cfg: TrainConfig) -> tuple[str, ...]:
     return tuple(given + extra)
 
 
-async def start_engine_actors(cfg: TrainConfig, model_path: Path
+async def start_engine_actors(cfg: RunSettings, model_path: Path
                               ) -> tuple[EngineSection, ActorEngine] | None:
     """Start the run's engine actors (None when ``[placement]`` asks for none): the section the
     run uses for them and an engine over their servers (closing it stops the actors)."""

@@ -5,7 +5,7 @@ The student samples as in any RL step; the backend scores every sampled token wi
 (`TorchBackend.forward_teacher_logprobs`: batched no-grad forwards, the teacher on the
 trainer's device) and `trainers.algorithms.distill.distill_advantages` turns the per-token
 reverse KL into advantages (optionally mixed with the env reward's). Torch-free at import:
-`DistillSection` is part of `TrainConfig`.
+`DistillSection` is part of `RunSettings`.
 """
 
 from __future__ import annotations
@@ -14,38 +14,24 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field
-
-from palaestra.config import Problem, Section
+from palaestra.config import Problem
 from palaestra.errors import ConfigError
 
 if TYPE_CHECKING:
     from palaestra.contracts import TrainerBackend
-    from palaestra.run.config import TrainConfig
+    from palaestra.run.sections import RunSettings
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.ppo.step import Critic
     from palaestra.trainers.update import Learner
 
 
-class DistillSection(Section):
-    teacher: str | None = None
-    """A Hugging Face model folder (``{out}`` allowed) with the student's tokenizer/vocabulary:
-    it scores every token the student samples, and the student minimises the per-token reverse
-    KL to it (on-policy distillation). None: plain RL."""
-    coef: float = Field(1.0, ge=0.0)
-    """Weight of the per-token reverse-KL term in the advantages."""
-    reward_coef: float = Field(0.0, ge=0.0)
-    """Weight of the env-reward advantage (of ``trainer.loss``'s estimator, e.g. GRPO); 0: pure
-    distillation."""
-
-
-def teacher_path(cfg: TrainConfig) -> Path | None:
+def teacher_path(cfg: RunSettings) -> Path | None:
     t = cfg.distill.teacher
     return None if t is None else cfg.in_run(t)
 
 
-def distill_problems(cfg: TrainConfig) -> list[Problem]:
+def distill_problems(cfg: RunSettings) -> list[Problem]:
     """Why ``[distill]`` cannot run (empty without a teacher): the backend, the teacher folder,
     and its vocabulary against the student's when the student's folder exists already (else
     `check_teacher` runs once the run has built it, before any work)."""
@@ -127,7 +113,7 @@ def _token_ids(model: Path) -> dict[str, int] | None:
     return vocab
 
 
-def build_learner(cfg: TrainConfig, backend: TrainerBackend[TrainBatch, LossConfig],
+def build_learner(cfg: RunSettings, backend: TrainerBackend[TrainBatch, LossConfig],
                   critic: Critic | None) -> Learner:
     """The RL update of ``cfg``: PPO with a critic, else the critic-free update, with the
     ``[distill]`` teacher loaded into the (torch) backend, which then scores with it."""
@@ -150,5 +136,5 @@ def build_learner(cfg: TrainConfig, backend: TrainerBackend[TrainBatch, LossConf
                         distill=distill)
 
 
-__all__ = ["DistillSection", "build_learner", "check_teacher", "distill_problems",
+__all__ = ["build_learner", "check_teacher", "distill_problems",
            "teacher_path"]

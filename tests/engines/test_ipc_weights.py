@@ -188,7 +188,8 @@ async def test_servers_elsewhere_and_bad_config_are_refused() -> None:
     from palaestra.config import validate
     from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.engines.weights.weight_transfer import IpcWeightSender, on_this_host
-    from palaestra.run.config import IpcSync, TrainConfig
+    from palaestra.run.config import TrainConfig
+    from palaestra.run.fleet.sync_settings import IpcSync
     from palaestra.run.fleet.engine_sync import resolve_method
 
     assert on_this_host("http://127.0.0.1:30000") and on_this_host("http://localhost:1")

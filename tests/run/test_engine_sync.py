@@ -10,7 +10,8 @@ import pytest
 
 from palaestra.config import validate
 from palaestra.errors import ConfigError
-from palaestra.run.config import DiskSync, DistributedSync, TrainConfig
+from palaestra.run.config import TrainConfig
+from palaestra.run.fleet.sync_settings import DiskSync, DistributedSync
 from palaestra.run.fleet.engine_sync import resolve_method
 
 SERVERS = {"kind": "sglang", "urls": ["http://127.0.0.1:30000"]}
