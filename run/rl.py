@@ -25,7 +25,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
-from palaestra.contracts import Closeable
+from palaestra.contracts import AdapterTrainer, Closeable
+from palaestra.engine import EngineStats
 from palaestra.run.builders import build_backend
 from palaestra.run.config import TrainConfig
 from palaestra.run.fleet.engine_sync import EngineSync
@@ -37,8 +38,8 @@ from palaestra.trace_ranges import span
 if TYPE_CHECKING:
     from palaestra.agents.spec import AgentSpec
     from palaestra.contracts import TrainerBackend
-    from palaestra.engines.local.local import LocalEngine
     from palaestra.engines.clients.sglang import SGLangEngine
+    from palaestra.engines.local.local import LocalEngine
     from palaestra.engines.serve.serve import RunningServer
     from palaestra.rollout.manager import RolloutBatch, RolloutManager
     from palaestra.rollout.rewards.worker import RewardClient
@@ -284,9 +285,9 @@ class RLRun:
     def _engine_deltas(self) -> dict[str, float]:
         """The embedded engine's scheduler this step (``engine/decode_s``, ``engine/host_s``,
         steps and tokens): how much of the rollout the GPU computed and how much it waited."""
-        stats = getattr(self.engine, "stats", None)
-        if not isinstance(stats, dict):  # servers: their own /get_server_info
+        if not isinstance(self.engine, EngineStats):  # servers: their own /get_server_info
             return {}
+        stats = self.engine.stats
         keys = ("prefill_s", "decode_s", "host_s", "active_s", "decode_calls", "decode_steps",
                 "prefill_steps", "prefill_tokens", "generated_tokens")
         now = {k: float(stats[k]) for k in keys if isinstance(stats.get(k), (int, float))}
@@ -313,9 +314,10 @@ class RLRun:
         --model <out>/final-model`, SGLang or transformers load it as it is; with the settings
         it was trained under."""
         backend, root = self.backend, self.run.root
-        lora = getattr(backend, "lora", None)
-        if lora is not None:  # LoRA: the peft adapter folder
-            backend.export_adapter(root / "final-adapter")  # type: ignore[attr-defined]
+        adapter = backend if isinstance(backend, AdapterTrainer) else None
+        lora = None if adapter is None else adapter.lora
+        if adapter is not None and lora is not None:  # LoRA: the peft adapter folder
+            adapter.export_adapter(root / "final-adapter")
         if lora is None or lora.export_merged:
             backend.export_hf(root / "final-model")  # LoRA: the adapter merged
         if self.critic is not None:  # the value model beside it (*ForTokenClassification)

@@ -400,6 +400,14 @@ class LocalEngine:
         self._runner.close()
 
     # --------------------------------------------------------------------------------- memory
+    def device_bytes(self) -> int:
+        """Device memory this engine holds: its KV cache, and its weights while they sit off
+        the CPU (on CPU: the KV cache alone, the only part a release frees there)."""
+        total = int(self.cache.num_bytes())
+        if self.device.type != "cpu" and self.decoder.embed.device.type != "cpu":
+            total += int(self.decoder.num_bytes())
+        return total
+
     async def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free the KV cache (tag ``kv_cache``) and move weights off the GPU (tag ``weights``)."""
         tags = list(tags or ("kv_cache", "weights"))

@@ -24,30 +24,16 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
 
 from palaestra.contracts import MemoryReporting, Offloadable
-from palaestra.engine import MemoryReleasing
+from palaestra.engine import DeviceMemory, MemoryReleasing
 from palaestra.trainers.memory import GIB, device_state_bytes, gpu_memory
 
 
 def engine_device_bytes(engine: object) -> int | None:
-    """GPU bytes the embedded engine holds (KV cache, weights off the CPU); None for servers.
+    """Device bytes the embedded engine holds (KV cache, weights off the CPU); None for servers.
     On CPU its KV cache (the only part that a release frees there)."""
-    cache = getattr(engine, "cache", None)
-    decoder = getattr(engine, "decoder", None)
-    if cache is None or decoder is None:
-        return None
-    total = int(cache.num_bytes())
-    device = getattr(engine, "device", None)
-    if device is not None and device.type != "cpu" and _decoder_on_device(decoder):
-        total += int(decoder.num_bytes())
-    return total
-
-
-def _decoder_on_device(decoder: Any) -> bool:
-    embed = getattr(decoder, "embed", None)
-    return embed is not None and embed.device.type != "cpu"
+    return engine.device_bytes() if isinstance(engine, DeviceMemory) else None
 
 
 class ColocatedPhases:

@@ -249,6 +249,23 @@ class MemoryReleasing(Protocol):
 
 
 @runtime_checkable
+class DeviceMemory(Protocol):
+    """Reports the device memory it holds in this process (the embedded engine: its KV cache
+    and the weights it keeps on the GPU), measured by a colocated run at each phase switch."""
+
+    def device_bytes(self) -> int: ...
+
+
+@runtime_checkable
+class EngineStats(Protocol):
+    """Counts its scheduler's work (seconds, steps, tokens since start), which a run logs per
+    step as ``engine/*`` (the embedded engine; servers report through their own endpoints)."""
+
+    @property
+    def stats(self) -> Mapping[str, float]: ...
+
+
+@runtime_checkable
 class UpdatesInPlace(Protocol):
     """Applies ``update_weights`` between two decode steps while requests keep running (the
     embedded engine): a rollout manager need not park in-flight episodes around a push, they
@@ -269,7 +286,9 @@ class OnDevice(Protocol):
 __all__ = [
     "AdapterHost",
     "AdapterServing",
+    "DeviceMemory",
     "Engine",
+    "EngineStats",
     "EngineUnavailableError",
     "Generation",
     "MemoryReleasing",

@@ -13,9 +13,9 @@ import pytest
 from palaestra.config import load_config
 from palaestra.errors import ConfigError
 from palaestra.run.config import TrainConfig
+from palaestra.model_shapes import NAMED_SHAPES
 from palaestra.run.dry_run import (
     GIB,
-    NAMED_SHAPES,
     describe_placement,
     describe_plan,
     engine_memory,

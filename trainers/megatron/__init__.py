@@ -3,7 +3,7 @@
 Light modules (no torch or megatron at import): ``arch`` (ModelArch from an HF config),
 ``config`` (MegatronBackendConfig), ``flops``. Pure tensor code that runs without megatron:
 ``convert`` / ``convert_moe`` (HF <-> Megatron names and layouts), ``sharding`` (TP/EP),
-``attention_core`` (SDPA on Megatron layouts), ``logprobs`` (vocab-parallel logprobs). Needs
+``logprobs`` (vocab-parallel logprobs). Needs
 megatron-core (``pip install 'palaestra[megatron]'``, a CUDA machine): ``model``, ``parallel``,
 ``weights``, ``weight_sync``, ``backend`` (MegatronBackend).
 

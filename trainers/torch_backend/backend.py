@@ -87,7 +87,7 @@ def _varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
                       ) -> tuple[torch.Tensor, None]:
     """HF attention function over one packed row: q ``[1, H, T, D]`` -> ``[1, T, H, D]``."""
-    from palaestra.trainers.megatron.attention_core import sdpa_thd
+    from palaestra.trainers.attention import sdpa_thd
 
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:

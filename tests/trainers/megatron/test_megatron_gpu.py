@@ -97,7 +97,7 @@ def _backend(model: Any, **cfg: Any) -> Any:
 def test_attention_kernels_on_gpu():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from palaestra.trainers.megatron.attention_core import sdpa_bshd, sdpa_thd
+    from palaestra.trainers.attention import sdpa_bshd, sdpa_thd
 
     g = torch.Generator(device="cuda").manual_seed(0)
     lengths = [700, 1, 2048, 300]
