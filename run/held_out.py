@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from palaestra.run.clock import phase
 from palaestra.run.config import TrainConfig
@@ -61,14 +61,14 @@ async def _evaluate_stage(
     return metrics
 
 
-def eval_rows_from_file(cfg: TrainConfig) -> list[dict[str, Any]]:
+def eval_rows_from_file(cfg: TrainConfig) -> list[dict[str, object]]:
     """The held-out rows: the last ``eval.num_tasks`` rows of ``data.path`` (never trained on)."""
     from palaestra.rollout.data import load_rows, split_held_out
 
     return split_held_out(load_rows(str(cfg.data.path)), cfg.eval.num_tasks)[1]
 
 
-def train_rows(cfg: TrainConfig) -> list[dict[str, Any]]:
+def train_rows(cfg: TrainConfig) -> list[dict[str, object]]:
     """Training tasks, never a held-out one: a file's rows before its held-out tail, or the
     env's draws less those equal to a held-out draw (envs with a finite dataset repeat tasks)."""
     from palaestra.rollout.data import load_rows, split_held_out, without_tasks

@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from palaestra.contracts import AdapterTrainer, Closeable
 from palaestra.engine import EngineStats
@@ -33,6 +33,7 @@ from palaestra.run.fleet.engine_sync import EngineSync
 from palaestra.run.held_out import evaluate_stage, train_rows
 from palaestra.run.run_dir import RunDir
 from palaestra.run.services import run_env_kwargs
+from palaestra.run.step_log import Progress, failure_line, progress, step_record
 from palaestra.trace_ranges import span
 
 if TYPE_CHECKING:
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from palaestra.engines.clients.sglang import SGLangEngine
     from palaestra.engines.local.local import LocalEngine
     from palaestra.engines.serve.serve import RunningServer
-    from palaestra.rollout.manager import RolloutBatch, RolloutManager
+    from palaestra.rollout.manager import RolloutManager
     from palaestra.rollout.rewards.worker import RewardClient
     from palaestra.run.evaluation import TrainingEvaluation
     from palaestra.run.fleet.colocate import ColocatedPhases
@@ -103,7 +104,7 @@ class RLRun:
         self.push = push  # the backend's weights to the engines, by the run's one path
         self.manager, self.rewards, self.server = manager, rewards, server
         self.counts: Counter[str] = Counter()  # skipped optimizer steps, failed episodes (run)
-        self.progress: _Progress | None = None
+        self.progress: Progress | None = None
         self.admin: AdminServer | None = None
         self.elastic: ElasticEngines | None = None
         self.evaluator: TrainingEvaluation | None = None
@@ -183,7 +184,7 @@ class RLRun:
             self.counts.update(cast("dict[str, int]", state.get("counts", {})))
             if self.critic is not None:
                 self.critic.load(latest / "critic")
-            self.manager.load_state_dict(cast("dict[str, Any]", state["rollout"]))
+            self.manager.load_state_dict(cast("dict[str, object]", state["rollout"]))
             await self.push.push(start_step)
             run.truncate_metrics_after("rl", start_step - 1)
             print(f"resumed RL from {latest.name} (step {start_step})", flush=True)
@@ -194,7 +195,7 @@ class RLRun:
     async def start(self, start_step: int) -> None:
         """The progress bar, the admin endpoint of elastic engines, the benchmark evaluator."""
         cfg = self.cfg
-        self.progress = _progress(cfg, start_step)
+        self.progress = progress(cfg.logging.progress, cfg.trainer.steps, start_step)
         from palaestra.run.fleet.elastic import start_admin
 
         # engines join and leave while the steps run (`palaestra engines add|remove URL`)
@@ -235,7 +236,7 @@ class RLRun:
         update = await asyncio.to_thread(self.learner.update, batch.samples, step)
         if batch.failed:
             self.counts["failed_episodes"] += run.log_failures("rl", step, batch.failed)
-            self._note(_failure_line(step, batch, run))
+            self._note(failure_line(step, batch, run))
         for what in update.skipped:
             self.counts["skipped_steps"] += 1
             self._note(f"[rl step {step}] {what}: the optimizer step was skipped "
@@ -244,7 +245,7 @@ class RLRun:
         with span("weight_sync"):
             sync_times = await self._push_weights(step + 1)
         t3 = time.perf_counter()
-        record = _step_record(step, batch.metrics, update.metrics, sync_times,
+        record = step_record(step, batch.metrics, update.metrics, sync_times,
                               rollout_s=t1 - t0, train_s=t2 - t1, sync_s=t3 - t2,
                               warmup_steps=cfg.warmup.steps)
         record.update(self.push.metrics())
@@ -345,20 +346,10 @@ class RLRun:
             self.backend.close()
 
 
-def _failure_line(step: int, batch: RolloutBatch, run: RunDir) -> str:
-    """``[rl step N] k of n episodes failed: 2 x <error>; ...`` (one console line)."""
-    finished = int(batch.metrics.get("episodes/finished", 0))
-    common = Counter((t.error or t.stop_reason.value).splitlines()[0][:120]
-                     for t in batch.failed).most_common(2)
-    reasons = "; ".join(f"{n} x {err}" for err, n in common)
-    return (f"[rl step {step}] {len(batch.failed)} of {finished} episodes failed: {reasons} "
-            f"(all in {run.root / 'failures.jsonl'})")
-
-
 def _save_rl(cfg: TrainConfig, run: RunDir, backend: TrainerBackend[TrainBatch, LossConfig],
              manager: RolloutManager, step: int,
              counts: Counter[str], critic: Critic | None = None,
-             rollout: dict[str, Any] | None = None) -> None:
+             rollout: dict[str, object] | None = None) -> None:
     directory = run.checkpoint_dir("rl", step)
     if critic is not None:  # before the policy: the checkpoint is complete with both or none
         critic.save(directory / "critic", extra={"rl_step": step})
@@ -368,63 +359,6 @@ def _save_rl(cfg: TrainConfig, run: RunDir, backend: TrainerBackend[TrainBatch, 
     run.mark_complete(directory)
     run.write_state({"phase": "rl", "step": step})
     run.prune_checkpoints("rl", cfg.checkpoint.keep_last)
-
-
-def _step_record(
-    step: int, rollout: dict[str, float], train: dict[str, float], sync: dict[str, float],
-    *, rollout_s: float, train_s: float, sync_s: float, warmup_steps: int,
-) -> dict[str, Any]:
-    record: dict[str, Any] = {
-        "step": step, "global_step": warmup_steps + step, "phase": "rl",
-        "reward_mean": rollout.get("reward/mean", rollout.get("reward_mean")),
-    }
-    record.update({k: v for k, v in rollout.items() if isinstance(v, (int, float))})
-    record.update({f"train/{k}": v for k, v in train.items()})
-    record["loss"] = train.get("loss")
-    record["response_length_mean"] = rollout.get(
-        "response_len/mean", rollout.get("response_length_mean"))
-    total = rollout_s + train_s + sync_s
-    record.update({
-        "time/rollout_s": rollout_s, "time/train_s": train_s, "time/weight_sync_s": sync_s,
-        "time/step_s": total, "time/weight_sync_share": sync_s / total if total else 0.0,
-        **{f"time/sync_{k}": v for k, v in sync.items()},
-    })
-    return record
-
-
-class _Progress:
-    def __init__(self, bar: Any) -> None:
-        self.bar = bar
-
-    def note(self, line: str) -> None:
-        """A line above the bar (or a plain line without one)."""
-        if self.bar is None:
-            print(line, flush=True)
-        else:
-            self.bar.write(line)
-
-    def update(self, record: dict[str, Any]) -> None:
-        if self.bar is None:
-            reward = record.get("reward_mean")
-            print(f"[rl step {record['step']}] reward {reward:.3f} "
-                  f"({record['time/step_s']:.1f} s)", flush=True)
-            return
-        self.bar.set_postfix(reward=f"{record.get('reward_mean') or 0:.3f}",
-                             step_s=f"{record['time/step_s']:.1f}")
-        self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def _progress(cfg: TrainConfig, start: int) -> _Progress:
-    if not cfg.logging.progress:
-        return _Progress(None)
-    from tqdm import tqdm
-
-    return _Progress(tqdm(total=cfg.trainer.steps, initial=start, desc="rl", unit="step",
-                          dynamic_ncols=True))
 
 
 __all__ = ["RLRun", "run_rl"]

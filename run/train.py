@@ -20,7 +20,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from palaestra.config import save_resolved
 from palaestra.run.builders import agent_spec, build_engine
@@ -83,7 +83,7 @@ def _quiet_transformers() -> None:
 
 
 # ------------------------------------------------------------------------------------- main
-async def train_async(cfg: TrainConfig) -> dict[str, Any]:
+async def train_async(cfg: TrainConfig) -> dict[str, float]:
     """Run (or resume) the whole training run described by ``cfg``; returns the final evals.
 
     Raises `ConfigError` (before touching the run directory) when it holds a run whose fixed
@@ -108,12 +108,12 @@ def check_run_dir(cfg: TrainConfig) -> None:
         check_resume(cfg.out, json.loads(cfg.model_dump_json()), normalize=_resolved)
 
 
-def _resolved(recorded: dict[str, Any]) -> dict[str, Any]:
+def _resolved(recorded: dict[str, object]) -> dict[str, object]:
     """A recorded config.json as this version resolves it (new fields at their defaults)."""
     return json.loads(TrainConfig.model_validate(recorded).model_dump_json())  # type: ignore[no-any-return]
 
 
-async def _train(cfg: TrainConfig, run: RunDir) -> dict[str, Any]:
+async def _train(cfg: TrainConfig, run: RunDir) -> dict[str, float]:
     import torch
 
     _quiet_transformers()
@@ -192,7 +192,7 @@ async def _train(cfg: TrainConfig, run: RunDir) -> dict[str, Any]:
         run.close()
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
+def train(cfg: TrainConfig) -> dict[str, float]:
     return asyncio.run(train_async(cfg))
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from palaestra.config import Problem
 from palaestra.errors import ConfigError
@@ -104,7 +104,7 @@ def _token_ids(model: Path) -> dict[str, int] | None:
     path = model / "tokenizer.json"
     if not path.is_file():
         return None
-    data: dict[str, Any] = json.loads(path.read_text())
+    data = json.loads(path.read_text())  # the tokenizer file: JSON as it came
     raw = data.get("model", {}).get("vocab") or {}
     # unigram models list [[piece, score], ...]: the id is the position, not the score
     vocab = ({piece: i for i, (piece, _) in enumerate(raw)} if isinstance(raw, list)
