@@ -41,6 +41,26 @@ if TYPE_CHECKING:
     from palaestra.engines.local.parity import FullLogprobsRequest
 
 
+def _device_and_dtype(device: str | None, dtype: Any) -> tuple[Any, Any]:
+    """The engine's device (CUDA when there is one) and compute dtype (float32 on CPU, else
+    bfloat16; a name such as "float16" is looked up in torch)."""
+    import torch
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        return dev, torch.float32 if dev.type == "cpu" else torch.bfloat16
+    return dev, getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _checked_lora_mode(mode: str) -> str:
+    """How the default LoRA adapter is applied (`palaestra.engines.local.lora`)."""
+    from palaestra.engines.local.lora import LORA_MODES
+
+    if mode not in LORA_MODES:
+        raise ConfigError(f"lora_mode {mode!r}: use one of {', '.join(LORA_MODES)}")
+    return mode
+
+
 class LocalEngine:
     """Embedded engine over a Hugging Face Llama-family checkpoint (see the module docstring).
 
@@ -71,19 +91,13 @@ class LocalEngine:
         decode_attention: str = "auto",
         bitwise: bool = False,
     ) -> None:
-        import torch
-
         from palaestra.engines.local.loading import decoder_from_hf_model, load_decoder
 
         if (model_path is None) == (hf_model is None):
             raise ConfigError("pass exactly one of model_path or hf_model to LocalEngine")
         if max_running < 1 or max_prefill_tokens < 1:
             raise ConfigError("max_running and max_prefill_tokens must be >= 1")
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dtype is None:
-            dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-        elif isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+        dev, dtype = _device_and_dtype(device, dtype)
         self.model_path = str(model_path) if model_path is not None else None
         self.device = dev
         self.dtype = dtype
@@ -124,11 +138,7 @@ class LocalEngine:
             self.decoder, self._slots, self._sampler, self.counters, device=dev,
             max_running=max_running, max_model_len=self.max_model_len,
             decode_steps=self.decode_steps, use_thread=use_thread, cuda_graphs=cuda_graphs)
-        from palaestra.engines.local.lora import LORA_MODES
-
-        if lora_mode not in LORA_MODES:
-            raise ConfigError(f"lora_mode {lora_mode!r}: use one of {', '.join(LORA_MODES)}")
-        self.lora_mode = lora_mode  # how the default LoRA adapter is applied (`lora.py`)
+        self.lora_mode = _checked_lora_mode(lora_mode)  # how the default LoRA adapter is applied (`lora.py`)
         self._scheduler = Scheduler(
             self._runner, self._slots, self.counters, max_running=max_running,
             max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len,

@@ -64,6 +64,20 @@ def torch_empty_like_pinned(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(tensor, pin_memory=torch.cuda.is_available())
 
 
+def _check_layout(arch: ModelArch, c: MegatronBackendConfig, *, use_te: bool) -> None:
+    """Refuse the parallel layouts megatron-core cannot train this architecture with."""
+    if c.sequence_parallel and not use_te:
+        raise ConfigError("sequence_parallel needs transformer-engine (megatron's torch "
+                          "RMSNorm does not support it); install it or unset it")
+    if arch.mla is not None and c.tp > 1:
+        raise ConfigError("multi-latent attention (DeepSeek-V3) is built with tp = 1 for now "
+                          "(its down-projections shard differently); use ep and dp instead")
+    if arch.moe is not None and c.tp > 1 and not c.sequence_parallel:
+        raise ConfigError("megatron-core trains MoE with tp > 1 only with "
+                          "sequence_parallel=True (which needs transformer-engine); "
+                          "use ep > 1 with tp=1 instead")
+
+
 class MegatronBackend:
     """A megatron-core GPT model with optimizer, trained on `TrainBatch` es."""
 
@@ -95,16 +109,7 @@ class MegatronBackend:
         if c.use_transformer_engine == "on" and not te:
             raise ConfigError("use_transformer_engine='on' but transformer-engine is not installed")
         self.use_te = te and c.use_transformer_engine != "off"
-        if c.sequence_parallel and not self.use_te:
-            raise ConfigError("sequence_parallel needs transformer-engine (megatron's torch "
-                              "RMSNorm does not support it); install it or unset it")
-        if self.arch.mla is not None and c.tp > 1:
-            raise ConfigError("multi-latent attention (DeepSeek-V3) is built with tp = 1 for now "
-                              "(its down-projections shard differently); use ep and dp instead")
-        if self.arch.moe is not None and c.tp > 1 and not c.sequence_parallel:
-            raise ConfigError("megatron-core trains MoE with tp > 1 only with "
-                              "sequence_parallel=True (which needs transformer-engine); "
-                              "use ep > 1 with tp=1 instead")
+        _check_layout(self.arch, c, use_te=self.use_te)
         init_parallel(self.parallel, seed=c.seed)
         if hf_state_dict is None and model_path is not None:
             hf_state_dict = read_hf_state_dict(model_path)
@@ -403,9 +408,6 @@ class MegatronBackend:
         ``grad_norm``, ``lr`` and ``update_ok``. ``loss_weights``: per-sequence aggregation
         weights computed over the whole batch (a trainer group's rank gets its shard and these).
         """
-        import torch
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
 
         from palaestra.trainers.loss_inputs import loss_micro_batches, runs_ref_forward
         from palaestra.trainers.torch_backend.optim import lr_multiplier
@@ -446,14 +448,32 @@ class MegatronBackend:
         outs = self._run_schedule(mbs, loss_fn, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         self.step += 1
+        metrics = self._reduced_metrics(outs)
+        metrics.update(grad_norm=float(grad_norm or 0.0), update_ok=float(bool(ok)),
+                       lr=float(self.optimizer.param_groups[0]["lr"]),
+                       # the bookkeeping keys TorchBackend reports, which the loop logs
+                       num_tokens=float(batch.num_tokens),
+                       num_loss_tokens=float(batch.num_loss_tokens),
+                       num_micro_batches=float(len(mbs)),
+                       step_time_s=time.perf_counter() - start,
+                       logprobs_s=logprobs_s)  # the reference forward inside this step
+        return metrics
+
+    def _reduced_metrics(self, outs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """The micro-batches' metrics summed (maxed: `MAX_METRICS`) over micro-batches,
+        data-parallel ranks and pipeline stages."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from palaestra.trainers.algorithms.objective import MAX_METRICS
+
         names = sorted({k for o in outs for k in o})
         if ps.get_pipeline_model_parallel_world_size() > 1:
             # only the last stage computed losses: take its metric names everywhere
             all_names: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
             dist.all_gather_object(all_names, names, group=ps.get_pipeline_model_parallel_group())
             names = max(all_names, key=len)
-        from palaestra.trainers.algorithms.objective import MAX_METRICS
-
         zero = torch.zeros((), device=self.device)
         maxed = [k for k in names if k in MAX_METRICS]  # e.g. the largest logprob mismatch
         names = [k for k in names if k not in MAX_METRICS]
@@ -470,14 +490,6 @@ class MegatronBackend:
                             group=ps.get_pipeline_model_parallel_group())
         metrics = {k: float(v) for k, v in zip(names, sums.tolist())}
         metrics.update({k: float(v) for k, v in zip(maxed, maxima.tolist())})
-        metrics.update(grad_norm=float(grad_norm or 0.0), update_ok=float(bool(ok)),
-                       lr=float(self.optimizer.param_groups[0]["lr"]),
-                       # the bookkeeping keys TorchBackend reports, which the loop logs
-                       num_tokens=float(batch.num_tokens),
-                       num_loss_tokens=float(batch.num_loss_tokens),
-                       num_micro_batches=float(len(mbs)),
-                       step_time_s=time.perf_counter() - start,
-                       logprobs_s=logprobs_s)  # the reference forward inside this step
         return metrics
 
     def state_dict_for_engines(
