@@ -46,7 +46,8 @@ if TYPE_CHECKING:
     from palaestra.rollout.rewards.worker import RewardClient
     from palaestra.run.evaluation import TrainingEvaluation
     from palaestra.run.fleet.colocate import ColocatedPhases
-    from palaestra.run.fleet.elastic import AdminServer, ElasticEngines
+    from palaestra.run.fleet.admin import AdminServer
+    from palaestra.run.fleet.elastic import ElasticEngines
     from palaestra.run.fleet.placement import RunPlan
     from palaestra.run.fleet.weight_pushes import SyncPush
     from palaestra.run.parity import ParityCheck
@@ -196,7 +197,7 @@ class RLRun:
         """The progress bar, the admin endpoint of elastic engines, the benchmark evaluator."""
         cfg = self.cfg
         self.progress = progress(cfg.logging.progress, cfg.trainer.steps, start_step)
-        from palaestra.run.fleet.elastic import start_admin
+        from palaestra.run.fleet.admin import start_admin
 
         # engines join and leave while the steps run (`palaestra engines add|remove URL`)
         self.admin = await start_admin(cfg, self.run.root, self.engine, self.sync,
