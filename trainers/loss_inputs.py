@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     import torch
 
     from palaestra.trainers.algorithms.config import LossConfig
-    from palaestra.trainers.batching import MicroBatch, TrainBatch
+    from palaestra.trainers.batching import TrainBatch
+    from palaestra.trainers.micro_batches import MicroBatch
 
 #: the micro-batch field of the per-token aggregation weights (the batch loss is their sum)
 LOSS_WEIGHTS = "loss_weights"
@@ -50,7 +51,8 @@ def loss_micro_batches(batch: TrainBatch, loss_cfg: LossConfig, *, critic: bool,
         check_train_batch,
         sequence_fields,
     )
-    from palaestra.trainers.batching import TOKEN_FIELDS, make_micro_batches
+    from palaestra.trainers.batching import TOKEN_FIELDS
+    from palaestra.trainers.micro_batches import make_micro_batches
 
     check_train_batch(batch, loss_cfg, critic=critic)
     if loss_weights is None and sharded:

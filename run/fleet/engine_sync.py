@@ -97,8 +97,8 @@ class EngineSync:
         runs in this process)."""
         import torch
 
+        from palaestra.engines.weights.disk_sender import DiskWeightSender
         from palaestra.engines.weights.weight_transfer import (
-            DiskWeightSender,
             DistributedWeightSender,
             IpcWeightSender,
         )
@@ -138,8 +138,8 @@ class EngineSync:
 
     def push_spec(self) -> EnginePushSpec:
         """This sync's path as a trainer group's rank 0 takes it (see the module doc)."""
+        from palaestra.engines.weights.disk_sender import DiskWeightSender
         from palaestra.engines.weights.weight_transfer import (
-            DiskWeightSender,
             DistributedWeightSender,
             IpcWeightSender,
         )
@@ -186,8 +186,8 @@ class EngineSync:
         the run's path: a weight-update group of that server alone, a disk version, or HTTP
         tensors. The run's own sender is not touched (see `set_clients`); a trainer group
         sends from its rank 0 (`palaestra.run.fleet.weight_pushes.push_to_joining`)."""
+        from palaestra.engines.weights.disk_sender import DiskWeightSender
         from palaestra.engines.weights.weight_transfer import (
-            DiskWeightSender,
             DistributedWeightSender,
             IpcWeightSender,
             TransferStats,

@@ -237,7 +237,7 @@ def engine_equals_trainer(model_dir: str, device: str) -> None:
 
 def test_bitwise_gradients_match_the_default_forward(model_dir):
     """Training through the bitwise forward follows the same gradient as the default one."""
-    from palaestra.trainers.batching import make_micro_batches
+    from palaestra.trainers.micro_batches import make_micro_batches
     from palaestra.trainers.torch_backend.backend import TorchBackend
     from palaestra.trainers.torch_backend.config import TorchBackendConfig
     from tests.trainers.test_torch_backend import make_batch

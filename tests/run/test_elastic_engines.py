@@ -267,7 +267,7 @@ async def test_an_engine_of_another_model_is_refused(tmp_path, servers):
     """The run's policy is the tiny model; the servers serve the micro one."""
     from palaestra.errors import EngineError
     from palaestra.engines.clients.sglang import SGLangEngine
-    from palaestra.engines.weights.weight_transfer import DiskWeightSender
+    from palaestra.engines.weights.disk_sender import DiskWeightSender
     from palaestra.tiny_model import build_model
     from palaestra.run.fleet.elastic import ElasticEngines
     from palaestra.run.fleet.engine_sync import EngineSync

@@ -82,7 +82,7 @@ def test_one_path_per_combination(tmp_path: Path) -> None:
     from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.engines.clients.sglang import SGLangEngine
     from palaestra.engines.clients.sglang_client import SGLangClient
-    from palaestra.engines.weights.weight_transfer import DiskWeightSender
+    from palaestra.engines.weights.disk_sender import DiskWeightSender
 
     local = EngineSync("in_process", ScriptedEngine([1]), bucket_bytes=1 << 20)
     assert type(build_push(local, FullWeights())) is WholeWeightsPush

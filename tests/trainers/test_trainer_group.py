@@ -12,7 +12,8 @@ import torch
 
 from palaestra.run.fleet.placement import PlacementSection, plan_run
 from palaestra.trainers.algorithms.config import LossConfig
-from palaestra.trainers.batching import TrainBatch, split_across_ranks
+from palaestra.trainers.batching import TrainBatch
+from palaestra.trainers.micro_batches import split_across_ranks
 
 torch.set_num_threads(1)
 ray = pytest.importorskip("ray")

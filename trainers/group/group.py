@@ -228,7 +228,7 @@ class TrainerGroup:
         import ray
 
         from palaestra.trainers.algorithms.objective import batch_loss_weights
-        from palaestra.trainers.batching import split_across_ranks
+        from palaestra.trainers.micro_batches import split_across_ranks
 
         parts = split_across_ranks(batch.lengths, self.dp_size, units=batch.units())
         if any(not p for p in parts):

@@ -147,8 +147,8 @@ class RankPusher:
 
     def _make_sender(self, spec: EnginePushSpec) -> None:
         from palaestra.engines.clients.sglang_client import SGLangClient
+        from palaestra.engines.weights.disk_sender import DiskWeightSender
         from palaestra.engines.weights.weight_transfer import (
-            DiskWeightSender,
             DistributedWeightSender,
             IpcWeightSender,
         )

@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     import torch
 
     from palaestra.trainers.algorithms.config import LossConfig
-    from palaestra.trainers.batching import MicroBatch, TrainBatch
+    from palaestra.trainers.batching import TrainBatch
+    from palaestra.trainers.micro_batches import MicroBatch
 
 
 def read_hf_state_dict(model_path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -205,7 +206,7 @@ class MegatronBackend:
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
     def _local_indices(self, batch: TrainBatch) -> list[int]:
-        from palaestra.trainers.batching import split_across_ranks
+        from palaestra.trainers.micro_batches import split_across_ranks
 
         rank, size = self._dp
         if size == 1 or self.local_batches:
@@ -293,7 +294,7 @@ class MegatronBackend:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from palaestra.trainers.batching import make_micro_batches
+        from palaestra.trainers.micro_batches import make_micro_batches
 
         local = self._local_indices(batch)
         result: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}

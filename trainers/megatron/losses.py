@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from palaestra.trainers.algorithms.config import LossConfig
-    from palaestra.trainers.batching import MicroBatch
+    from palaestra.trainers.micro_batches import MicroBatch
 
 
 def needs_entropy(loss_cfg: LossConfig) -> bool:

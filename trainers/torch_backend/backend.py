@@ -42,9 +42,9 @@ from palaestra.trainers.algorithms.objective import (
     sft_loss_micro,
     value_loss_micro,
 )
-from palaestra.trainers.batching import (
+from palaestra.trainers.batching import TrainBatch
+from palaestra.trainers.micro_batches import (
     MicroBatch,
-    TrainBatch,
     build_micro_batch,
     make_micro_batches,
     split_across_ranks,

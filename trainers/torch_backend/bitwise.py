@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from palaestra.engines.bitwise.forward import BitwiseWeights
-    from palaestra.trainers.batching import MicroBatch
+    from palaestra.trainers.micro_batches import MicroBatch
 
 #: sampled positions per chunk of the output layer + log-softmax; each chunk is recomputed in
 #: the backward instead of keeping its float32 ``[rows, vocab]`` logits

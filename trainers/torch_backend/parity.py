@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from palaestra.trainers.batching import MicroBatch
+    from palaestra.trainers.micro_batches import MicroBatch
     from palaestra.trainers.torch_backend.bitwise import BitwiseForward
 
 
@@ -34,7 +34,7 @@ def full_logprobs(token_ids: Sequence[Sequence[int]], positions: Sequence[Sequen
     hidden states and its autocast)."""
     import torch
 
-    from palaestra.trainers.batching import build_micro_batch
+    from palaestra.trainers.micro_batches import build_micro_batch
 
     if len(token_ids) != len(positions):
         raise ValueError("one list of positions per sequence")
