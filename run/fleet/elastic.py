@@ -166,7 +166,8 @@ class ElasticEngines:
 
     def _actor_group(self) -> EngineGroup:
         if self.actors is None:  # a run of engine.urls servers: new ones as actors too
-            from palaestra.run.fleet.actors import EngineGroup, EngineLaunch
+            from palaestra.run.fleet.actors import EngineGroup
+            from palaestra.run.fleet.engine_actor import EngineLaunch
 
             server, args = self._launch
             self.actors = EngineGroup(EngineLaunch(

@@ -138,7 +138,8 @@ async def start_engine_actors(cfg: RunSettings, model_path: Path
     run uses for them and an engine over their servers (closing it stops the actors)."""
     if not engine_actor_count(cfg):
         return None
-    from palaestra.run.fleet.actors import ActorEngine, EngineGroup, EngineLaunch
+    from palaestra.run.fleet.actors import ActorEngine, EngineGroup
+    from palaestra.run.fleet.engine_actor import EngineLaunch
     from palaestra.run.trainer_plan import require_plan
 
     plan = require_plan(cfg)

@@ -14,13 +14,8 @@ from palaestra.config import load_config
 from palaestra.errors import ConfigError
 from palaestra.run.config import TrainConfig
 from palaestra.model_shapes import NAMED_SHAPES
-from palaestra.run.dry_run import (
-    GIB,
-    describe_placement,
-    describe_plan,
-    engine_memory,
-    resolve_shape,
-)
+from palaestra.run.dry_run import describe_placement, describe_plan
+from palaestra.run.fleet.memory_plan import GIB, engine_memory, resolve_shape
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE_CONFIGS = ["search_r1_grpo", "search_r1_ppo", "gsm8k_grpo", "code_grpo"]

@@ -202,7 +202,7 @@ def test_bad_combinations_are_refused_when_the_config_loads(tmp_path, micro_mode
 
 
 def test_sglang_command_line_follows_its_cli():
-    from palaestra.run.fleet.actors import EngineLaunch, server_argv
+    from palaestra.run.fleet.engine_actor import EngineLaunch, server_argv
 
     argv = server_argv(EngineLaunch("/models/q", server="sglang", colocate=True),
                        host="10.0.0.2", port=30001, gpus=2)
@@ -224,7 +224,8 @@ async def test_engine_group_starts_serves_and_loses_a_killed_actor(ray_cluster, 
 
     from palaestra.engine import SamplingParams
     from palaestra.errors import MissingExtraError
-    from palaestra.run.fleet.actors import ActorEngine, EngineGroup, EngineLaunch
+    from palaestra.run.fleet.actors import ActorEngine, EngineGroup
+    from palaestra.run.fleet.engine_actor import EngineLaunch
 
     ray = ray_cluster
     plan = plan_run(PlacementSection(gpus_per_node=0, trainer_ranks=1, engines=2,
@@ -338,7 +339,8 @@ async def test_a_gpu_engine_actor_serves_on_its_bundles_gpu(micro_model, tmp_pat
     import ray
 
     from palaestra.engine import SamplingParams
-    from palaestra.run.fleet.actors import ActorEngine, EngineGroup, EngineLaunch
+    from palaestra.run.fleet.actors import ActorEngine, EngineGroup
+    from palaestra.run.fleet.engine_actor import EngineLaunch
     from palaestra.engines.clients.sglang_client import SGLangClient
 
     started = not ray.is_initialized()

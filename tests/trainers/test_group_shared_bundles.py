@@ -96,7 +96,8 @@ def _bundle_free(pg_id: str) -> dict[int, tuple[float, float]]:
 
 
 async def test_group_ranks_start_on_the_engines_bundles(ray_local, micro_model, tmp_path):
-    from palaestra.run.fleet.actors import EngineGroup, EngineLaunch
+    from palaestra.run.fleet.actors import EngineGroup
+    from palaestra.run.fleet.engine_actor import EngineLaunch
     from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
@@ -255,7 +256,8 @@ async def test_an_engine_and_a_rank_share_one_gpu_bundle_gpu(micro_model, tmp_pa
     the one bundle's GPU in the same placement group; the engine serves on CUDA and the rank
     trains on CUDA beside it."""
     from palaestra.engine import SamplingParams
-    from palaestra.run.fleet.actors import ActorEngine, EngineGroup, EngineLaunch
+    from palaestra.run.fleet.actors import ActorEngine, EngineGroup
+    from palaestra.run.fleet.engine_actor import EngineLaunch
     from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.trainers.group.group import TrainerGroup
     from palaestra.trainers.torch_backend.config import TorchBackendConfig
