@@ -43,7 +43,8 @@ from palaestra.rollout.gateway.checks import RequestValidationError
 from palaestra.rollout.gateway.gateway import Gateway
 from palaestra.rollout.gateway.responses import completion_json, stream_completion
 from palaestra.rollout.gateway.session import STOP_REASONS, GatewayError
-from palaestra.rollout.gateway.validation import PostLimits, trajectory_to_wire, wire_groups
+from palaestra.rollout.gateway.validation import PostLimits
+from palaestra.rollout.gateway.wire import trajectory_to_wire, wire_groups
 from palaestra.types import StopReason
 
 if TYPE_CHECKING:

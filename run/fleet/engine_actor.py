@@ -169,4 +169,11 @@ class EngineMember:
                 "server_pid": self.server_pid, "node": self.node_ip, "gpus": self.gpus}
 
 
-__all__ = ["NOSET_CUDA", "EngineActor", "EngineLaunch", "EngineMember", "gpu_ids_here", "server_argv"]
+__all__ = [
+    "NOSET_CUDA",
+    "EngineActor",
+    "EngineLaunch",
+    "EngineMember",
+    "gpu_ids_here",
+    "server_argv",
+]
