@@ -174,7 +174,7 @@ class ExternalAgentEnv(Env):
             return await result
         return result
 
-    async def score(self, task: Mapping[str, Any], outcome: Any,
+    async def score(self, task: Mapping[str, Any], outcome: object,
                     messages: Sequence[Message]) -> float:
         """``reward_fn(task, outcome, messages)`` checked to be a finite number.
 

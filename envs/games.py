@@ -78,7 +78,7 @@ def default_parse(text: str) -> int | None:
     return int(candidate) if re.fullmatch(rf"-?[0-9]{{1,{_MAX_DIGITS}}}", candidate) else None
 
 
-def default_render(env: gymnasium.Env, observation: Any) -> str:
+def default_render(env: gymnasium.Env, observation: object) -> str:
     """The observation as text (and the env's ansi rendering when it has one)."""
     text = f"Observation: {observation}"
     if getattr(env, "render_mode", None) == "ansi":

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from palaestra.agents import AgentSpec
     from palaestra.contracts import TrainerBackend
-    from palaestra.engines.local.local import LocalEngine
     from palaestra.engines.clients.sglang import SGLangEngine
+    from palaestra.engines.local.local import LocalEngine
     from palaestra.run.fleet.placement import RunPlan
+    from palaestra.run.sections import AgentSection, EngineSection, TrainerSection
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
-    from palaestra.run.sections import AgentSection, EngineSection, TrainerSection
     from palaestra.trainers.megatron.backend import MegatronBackend
     from palaestra.trainers.megatron.config import MegatronBackendConfig
     from palaestra.trainers.torch_backend.config import TorchBackendConfig
@@ -104,7 +104,7 @@ def backend_config(torch_cfg: TorchBackendConfig, *, temperature: float, seed: i
 
 def build_backend(trainer: TrainerSection, policy_path: Path, *, temperature: float, seed: int,
                   group: RunPlan | None = None, ray_address: str | None = None,
-                  placement_group: Any = None, ready_timeout_s: float = 300.0
+                  placement_group: object = None, ready_timeout_s: float = 300.0
                   ) -> TrainerBackend[TrainBatch, LossConfig]:
     """The RL training backend: the PyTorch one, Megatron-core on CUDA machines, or (``group``:
     the plan of ``[placement]`` with several trainer ranks) PyTorch ranks as Ray actors

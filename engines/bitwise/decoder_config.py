@@ -97,7 +97,7 @@ class DecoderConfig:
         )
 
 
-def signed_rope_tables(hf_config: Any, c: DecoderConfig, device: Any, dtype: Any
+def signed_rope_tables(hf_config: Any, c: DecoderConfig, device: torch.device | str, dtype: torch.dtype
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sign-folded sin ``[max_positions, head_dim]``: ``rotate_half(x) * sin ==
     swap_halves(x) * sin_signed`` with the first half of sin negated (what the decoders and
@@ -109,7 +109,7 @@ def signed_rope_tables(hf_config: Any, c: DecoderConfig, device: Any, dtype: Any
     return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
 
-def rope_tables(hf_config: Any, c: DecoderConfig, device: Any, dtype: Any
+def rope_tables(hf_config: Any, c: DecoderConfig, device: torch.device | str, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin ``[max_positions, head_dim]`` from the model's own rotary-embedding class."""
     import importlib

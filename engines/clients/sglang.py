@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,8 @@ from palaestra.engines.clients.sglang_client import SGLangClient
 from palaestra.errors import ConfigError, EngineError, MissingExtraError
 
 if TYPE_CHECKING:
+    import torch
+
     from palaestra.engines.clients.router import Router
     from palaestra.engines.clients.sglang_router import SGLangRouted
 
@@ -158,7 +160,7 @@ class SGLangEngine:
         await self.start()
         await asyncio.gather(*(c.unload_lora_adapter(name) for c in self.clients))
 
-    async def update_weights(self, state_dict: Any = None, *, path: str | None = None,
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor] | None = None, *, path: str | None = None,
                              version: int | None = None) -> None:
         await self._engine().update_weights(state_dict, path=path, version=version)
 

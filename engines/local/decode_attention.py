@@ -266,7 +266,7 @@ def dense_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return torch.einsum("bhl,bhld->bhd", torch.softmax(scores, dim=-1), vals)
 
 
-def self_check(device: Any, dtype: Any, heads: int, kv_heads: int, head_dim: int) -> str | None:
+def self_check(device: torch.device | str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Run the kernel once against `dense_reference` on a small case of this model's head
     layout, with one chunk per row and with several; None when it agrees, else why not (the
     engine then keeps the dense path)."""

@@ -95,7 +95,7 @@ class MLADecoder(Decoder):
 
     supports_split_kv = False  # keys (nope + rope) are wider than values
 
-    def __init__(self, config: DecoderConfig, hf_config: Any, device: Any, dtype: Any,
+    def __init__(self, config: DecoderConfig, hf_config: Any, device: torch.device | str, dtype: torch.dtype,
                  qkv_bias: bool = False) -> None:
         import torch
 

@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from palaestra.engines.local.parity import FullLogprobsRequest
 
 
-def _device_and_dtype(device: str | None, dtype: Any) -> tuple[Any, Any]:
+def _device_and_dtype(device: str | None, dtype: torch.dtype | str | None
+                      ) -> tuple[torch.device, torch.dtype]:
     """The engine's device (CUDA when there is one) and compute dtype (float32 on CPU, else
     bfloat16; a name such as "float16" is looked up in torch)."""
     import torch
@@ -77,7 +78,7 @@ class LocalEngine:
         *,
         hf_model: Any = None,
         device: str | None = None,
-        dtype: Any = None,
+        dtype: torch.dtype | str | None = None,
         max_running: int = 64,
         max_model_len: int | None = None,
         max_prefill_tokens: int = 4096,

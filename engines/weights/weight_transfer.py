@@ -107,7 +107,7 @@ class DistributedWeightSender:
 
     def __init__(self, clients: Sequence[SGLangClient], *, backend: str = "nccl",
                  master_address: str = "127.0.0.1", master_port: int = 0,
-                 group_name: str | None = None, device: Any = None,
+                 group_name: str | None = None, device: torch.device | str | None = None,
                  timeout_s: float = 600.0) -> None:
         if not clients:
             raise ConfigError("DistributedWeightSender needs at least one server")

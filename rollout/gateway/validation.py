@@ -85,7 +85,7 @@ class PostLimits:
     max_group_size: int | None = 1024
 
 
-def finite_number(value: Any, where: str) -> float:
+def finite_number(value: object, where: str) -> float:
     """``value`` as a float, or `TrajectoryValidationError` (booleans and strings refused)."""
     problems = Problems()
     out = check_number(value, where, problems)
@@ -94,7 +94,7 @@ def finite_number(value: Any, where: str) -> float:
     return out
 
 
-def _int_list(value: Any, where: str, p: Problems) -> list[int] | None:
+def _int_list(value: object, where: str, p: Problems) -> list[int] | None:
     if not isinstance(value, list):
         p.add(f"{where} must be a list of integers, got {describe(value)}")
         return None
@@ -333,7 +333,7 @@ def parse_trajectory(
     return out
 
 
-def _group_id(value: Any, where: str, p: Problems) -> str | None:
+def _group_id(value: object, where: str, p: Problems) -> str | None:
     if value is None:
         p.add(f"{where}.group_id is required: the id (a string) of the group (prompt) it "
               "belongs to")
@@ -342,7 +342,7 @@ def _group_id(value: Any, where: str, p: Problems) -> str | None:
 
 
 def parse_post(
-    payload: Any, *, vocab_size: int | None = None, version: int = 0,
+    payload: object, *, vocab_size: int | None = None, version: int = 0,
     max_tokens: int | None = None, limits: PostLimits | None = None,
 ) -> tuple[list[tuple[str, Trajectory]], int | None]:
     """``[(group_id, trajectory), ...]`` and the declared group size of a post.

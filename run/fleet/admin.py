@@ -17,6 +17,7 @@ from palaestra.run.fleet.elastic import ADMIN_FILE, ENGINES_FILE, TOKEN_FILE, El
 if TYPE_CHECKING:
     from palaestra.rollout.manager import RolloutManager
     from palaestra.run.fleet.engine_sync import EngineSync
+    from palaestra.run.sections import RunSettings
 
 
 # ------------------------------------------------------------------------- admin server
@@ -128,13 +129,15 @@ class AdminServer:
             body["url"], None if timeout is None else float(timeout)))
 
 
-async def start_admin(cfg: Any, run_dir: Path, engine: Any, sync: EngineSync,
+async def start_admin(cfg: RunSettings, run_dir: Path, engine: object, sync: EngineSync,
                       policy_path: Path, manager: RolloutManager | None = None
                       ) -> AdminServer | None:
     """The admin endpoint of a run whose engines are servers (``engine.kind = "sglang"`` or
     engine actors), else None (the embedded engine lives in the run's process). ``manager``:
     the run's rollout manager (Ray workers learn of engines joining and leaving through it)."""
-    if not hasattr(engine, "clients"):
+    from palaestra.engines.clients.sglang import SGLangEngine
+
+    if not isinstance(engine, SGLangEngine):  # servers (engine actors are SGLangEngines too)
         return None
     elastic = ElasticEngines(engine, sync, policy_path, cluster=cfg.rollout.cluster,
                              manager=manager, server=cfg.engine.kind,

@@ -23,6 +23,8 @@ from palaestra.engine import OnDevice
 from palaestra.errors import ConfigError
 
 if TYPE_CHECKING:
+    import torch
+
     from palaestra.contracts import WeightSource
     from palaestra.engine import Engine
     from palaestra.engines.local.local import LocalEngine
@@ -69,7 +71,7 @@ class EngineSync:
     adapters go (``lora_servers``, ``adapter_dir``)."""
 
     def __init__(self, method: str, engine: Engine, *, sender: Any = None, bucket_bytes: int,
-                 dtype: Any = None, device: str = "cpu", lora_servers: bool = False,
+                 dtype: torch.dtype | None = None, device: str = "cpu", lora_servers: bool = False,
                  adapter_dir: Path | None = None) -> None:
         self.method = method
         self.engine = engine

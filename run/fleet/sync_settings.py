@@ -84,7 +84,7 @@ class AutoSync(_DistributedSettings, _DiskSettings):
                           if name != "kind"})
 
 
-def sync_kind(value: Any) -> str | None:
+def sync_kind(value: object) -> str | None:
     """The tag of an ``engine.weight_sync`` value (a section without ``kind`` is auto)."""
     if isinstance(value, dict):
         return str(value.get("kind", "auto"))

@@ -19,6 +19,7 @@ from palaestra.run.run_dir import RunDir
 from palaestra.types import Sample
 
 if TYPE_CHECKING:
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
     from palaestra.agents.spec import AgentSpec
 
 
@@ -94,7 +95,7 @@ def _batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
     return out
 
 
-def offline_backend(cfg: TrainConfig, model_path: Path, torch_cfg: Any) -> Any:
+def offline_backend(cfg: TrainConfig, model_path: Path, torch_cfg: TorchBackendConfig) -> Any:
     """The backend of an offline run (``algorithm = "sft"/"dpo"``): Megatron-core when
     ``trainer.backend = "megatron"`` (its own ``trainer.megatron`` settings, the phase's logits
     temperature, a reference policy for DPO), else PyTorch with ``torch_cfg``."""

@@ -28,6 +28,8 @@ from palaestra.run.config import TrainConfig
 from palaestra.run.run_dir import RunDir
 
 if TYPE_CHECKING:
+    import torch
+
     from palaestra.contracts import Tokenizer
 
 Pair = tuple[list[int], list[int]]
@@ -55,7 +57,7 @@ def load_pairs(cfg: TrainConfig, tokenizer: Tokenizer) -> tuple[list[Pair], list
     return pairs[: len(pairs) - held], pairs[len(pairs) - held:]
 
 
-def scores(model: Any, batch: list[list[int]], pad_id: int, device: str) -> Any:
+def scores(model: torch.nn.Module, batch: list[list[int]], pad_id: int, device: str) -> Any:
     """The model's scalar per sequence (a float tensor, with gradients when enabled)."""
     from palaestra.rollout.rewards.render import pad_right
 
@@ -63,14 +65,14 @@ def scores(model: Any, batch: list[list[int]], pad_id: int, device: str) -> Any:
     return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float()
 
 
-def bt_loss(chosen: Any, rejected: Any) -> Any:
+def bt_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> Any:
     """Bradley-Terry: ``-log sigmoid(r_c - r_r)``, averaged over the pairs."""
     import torch.nn.functional as F
 
     return -F.logsigmoid(chosen - rejected).mean()
 
 
-def evaluate_pairs(model: Any, pairs: list[Pair], pad_id: int, device: str,
+def evaluate_pairs(model: torch.nn.Module, pairs: list[Pair], pad_id: int, device: str,
                    batch_size: int = 32) -> dict[str, float]:
     """Held-out accuracy (chosen scored above rejected), mean margin and loss."""
     import torch
@@ -200,7 +202,7 @@ def train_reward_model(cfg: TrainConfig, run: RunDir, model_path: Path) -> Path:
     return out
 
 
-def _log_eval(run: RunDir, model: Any, held: list[Pair], pad: int, device: str, stage: str,
+def _log_eval(run: RunDir, model: torch.nn.Module, held: list[Pair], pad: int, device: str, stage: str,
               step: int | None) -> dict[str, float]:
     t = time.perf_counter()
     metrics = evaluate_pairs(model, held, pad, device)
