@@ -9,7 +9,7 @@ Performance benchmarks of the framework itself live in ``benchmarks/perf/`` (scr
 this package's API).
 """
 
-from typing import TYPE_CHECKING
+from __future__ import annotations
 
 from palaestra.benchmarks.metrics import maj_at_k, pass_at_k, task_metrics
 from palaestra.benchmarks.registry import (
@@ -21,16 +21,8 @@ from palaestra.benchmarks.registry import (
 )
 from palaestra.benchmarks.spec import Benchmark
 
-if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr__` loads them
-    from palaestra.benchmarks.runner import EvalSettings as EvalSettings
-    from palaestra.benchmarks.runner import evaluate as evaluate
-    from palaestra.benchmarks.training import TrainingEvaluator as TrainingEvaluator
-
 __all__ = [
     "Benchmark",
-    "EvalSettings",
-    "TrainingEvaluator",
-    "evaluate",
     "get_benchmark",
     "list_benchmarks",
     "load_tasks",
@@ -40,16 +32,3 @@ __all__ = [
     "task_metrics",
     "unregister_benchmark",
 ]
-
-
-def __getattr__(name: str) -> object:
-    # `evaluate` pulls in the rollout and env packages; load them only when asked for.
-    if name in ("evaluate", "EvalSettings"):
-        from palaestra.benchmarks import runner
-
-        return getattr(runner, name)
-    if name == "TrainingEvaluator":
-        from palaestra.benchmarks.training import TrainingEvaluator
-
-        return TrainingEvaluator
-    raise AttributeError(f"module 'palaestra.benchmarks' has no attribute {name!r}")

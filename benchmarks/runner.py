@@ -1,6 +1,6 @@
 """`evaluate`: benchmarks x tasks x n samples through a policy, resumable, with live progress.
 
-Every sample is one episode played by the policy through `palaestra.rollout.play_episode` (token
+Every sample is one episode played by the policy through `palaestra.rollout.play.play_episode` (token
 level: a `TokenPlayer` with the benchmark's agent; message level: a chat API's `ChatPlayer`)
 against a fresh reset of a pooled env, at most ``concurrency`` at a time. A finished sample is
 appended to ``samples.jsonl`` at once; a sample whose *engine* failed (unreachable, HTTP errors

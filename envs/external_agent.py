@@ -146,7 +146,7 @@ class ExternalAgentEnv(Env):
     def on_action(self, action: Message) -> StepResult:
         raise ConfigError(
             "ExternalAgentEnv runs an external agent program that talks to the agent gateway; it cannot "
-            "be stepped message by message. Play its episodes with palaestra.rollout.run_episode "
+            "be stepped message by message. Play its episodes with palaestra.rollout.play.run_episode "
             "(which hands its kind, external_agent, to the gateway's runner)"
         )
 
@@ -174,7 +174,7 @@ class ExternalAgentEnv(Env):
             return await result
         return result
 
-    async def score(self, task: Mapping[str, Any], outcome: Any,
+    async def score(self, task: Mapping[str, Any], outcome: object,
                     messages: Sequence[Message]) -> float:
         """``reward_fn(task, outcome, messages)`` checked to be a finite number.
 

@@ -6,8 +6,6 @@ string, which the env parses into one with its tool-call format). ``sample()`` d
 
 from __future__ import annotations
 
-from typing import Any
-
 import gymnasium
 import numpy as np
 
@@ -27,14 +25,14 @@ class MessagesSpace(gymnasium.spaces.Space[tuple[Message, ...]]):
     def is_np_flattenable(self) -> bool:
         return False
 
-    def sample(self, mask: Any = None, probability: Any = None) -> tuple[Message, ...]:
+    def sample(self, mask: object | None = None, probability: object | None = None) -> tuple[Message, ...]:
         n = int(self.np_random.integers(1, 3))
         return tuple(
             Message(role=str(self.np_random.choice(self.roles)), content=_random_text(self.np_random))
             for _ in range(n)
         )
 
-    def contains(self, x: Any) -> bool:
+    def contains(self, x: object) -> bool:
         return isinstance(x, tuple) and all(
             isinstance(m, Message) and m.role in self.roles for m in x
         )
@@ -56,10 +54,10 @@ class AssistantMessageSpace(gymnasium.spaces.Space[Message]):
     def is_np_flattenable(self) -> bool:
         return False
 
-    def sample(self, mask: Any = None, probability: Any = None) -> Message:
+    def sample(self, mask: object | None = None, probability: object | None = None) -> Message:
         return Message(role="assistant", content=_random_text(self.np_random))
 
-    def contains(self, x: Any) -> bool:
+    def contains(self, x: object) -> bool:
         if isinstance(x, str):
             return True
         return isinstance(x, Message) and x.role == "assistant"

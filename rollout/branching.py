@@ -40,41 +40,10 @@ from pydantic import Field, model_validator
 
 from palaestra.config import Section
 from palaestra.engine import SamplingParams, TokenGenerator
-from palaestra.errors import ConfigError
 from palaestra.rollout.episode import EpisodeState
+from palaestra.rollout.groups import Branching
 from palaestra.rollout.play import run_episode
 from palaestra.types import StopReason, Trajectory
-
-
-@dataclass(frozen=True)
-class Branching:
-    """Where a group's episodes fork (0-based turn indices, increasing) and into how many."""
-
-    turns: tuple[int, ...]
-    width: int
-
-    def __post_init__(self) -> None:
-        turns = tuple(int(t) for t in self.turns)
-        if any(t < 0 for t in turns) or list(turns) != sorted(set(turns)):
-            raise ConfigError(f"branching turns must be increasing turn indices >= 0, got "
-                              f"{list(self.turns)}")
-        if int(self.width) < 1:
-            raise ConfigError(f"branching width must be >= 1, got {self.width}")
-        object.__setattr__(self, "turns", turns)
-        object.__setattr__(self, "width", int(self.width))
-
-    @property
-    def leaves_per_root(self) -> int:
-        return self.width ** len(self.turns)
-
-    def roots(self, group_size: int) -> int:
-        """Root episodes of a group of ``group_size`` leaves (`ConfigError` if not whole)."""
-        if group_size % self.leaves_per_root:
-            raise ConfigError(
-                f"a group of {group_size} leaves cannot be split into trees of width "
-                f"{self.width} forking at turns {list(self.turns)} ({self.leaves_per_root} "
-                "leaves per root); make group_size a multiple of width ** len(turns)")
-        return group_size // self.leaves_per_root
 
 
 class BranchingConfig(Section):
@@ -285,5 +254,5 @@ def expected_generated_ratio(branching: Branching, turns: int) -> float:
     return leaves * turns / max(sampled, 1) if turns else math.nan
 
 
-__all__ = ["Branching", "BranchingConfig", "TreeHooks", "TreeRequest", "expected_generated_ratio",
+__all__ = ["BranchingConfig", "TreeHooks", "TreeRequest", "expected_generated_ratio",
            "fork_agent", "fork_env", "fork_state", "play_branching_group"]

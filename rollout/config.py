@@ -61,7 +61,8 @@ class EngineSpec:
     def build(self) -> Engine:
         if self.factory is not None:
             return self.factory()
-        from palaestra.engines import Router, SGLangClient
+        from palaestra.engines.clients.router import Router
+        from palaestra.engines.clients.sglang_client import SGLangClient
 
         kwargs = dict(self.client_kwargs)
         router_kwargs = kwargs.pop("router", {})

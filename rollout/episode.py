@@ -44,7 +44,7 @@ import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from time import perf_counter, thread_time
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, SupportsFloat, SupportsIndex, TypeVar
 
 from palaestra.engine import SamplingParams, TokenGenerator
 from palaestra.episode_info import ResetInfo, StepInfo
@@ -358,10 +358,10 @@ def _evolve(params: SamplingParams, **changes: int) -> SamplingParams:
     return out
 
 
-def finite_reward(reward: Any) -> float | None:
+def finite_reward(reward: object) -> float | None:
     """``reward`` as a float, or None when it is not a finite number (NaN, inf, str, None...)."""
-    if isinstance(reward, (str, bytes, bytearray)):  # float("1") would accept them
-        return None
+    if not isinstance(reward, (SupportsFloat, SupportsIndex)) or isinstance(reward, str):
+        return None  # float("1") would accept a string
     try:
         value = float(reward)
     except (TypeError, ValueError):

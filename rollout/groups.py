@@ -1,5 +1,5 @@
 """Groups of n episodes per task (`GroupTask` out to a worker, `GroupResult` back, `PauseReport`
-of a pause), and the filters that decide which groups are trained on.
+of a pause; a tree group's `Branching`: where its episodes fork), and the filters that decide which groups are trained on.
 
 A group filter is any callable ``filter(trajectories) -> bool`` (True = keep) over the finished,
 non-failed trajectories of one group. Dynamic sampling is the built-in ``"nonzero_variance"``
@@ -14,15 +14,44 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from palaestra.errors import ConfigError
 from palaestra.types import Trajectory
 
-if TYPE_CHECKING:
-    from palaestra.rollout.branching import Branching
-
 GroupFilter = Callable[[Sequence[Trajectory]], bool]
+
+
+@dataclass(frozen=True)
+class Branching:
+    """Where a group's episodes fork (0-based turn indices, increasing) and into how many."""
+
+    turns: tuple[int, ...]
+    width: int
+
+    def __post_init__(self) -> None:
+        turns = tuple(int(t) for t in self.turns)
+        if any(t < 0 for t in turns) or list(turns) != sorted(set(turns)):
+            raise ConfigError(f"branching turns must be increasing turn indices >= 0, got "
+                              f"{list(self.turns)}")
+        if int(self.width) < 1:
+            raise ConfigError(f"branching width must be >= 1, got {self.width}")
+        object.__setattr__(self, "turns", turns)
+        object.__setattr__(self, "width", int(self.width))
+
+    @property
+    def leaves_per_root(self) -> int:
+        return self.width ** len(self.turns)
+
+    def roots(self, group_size: int) -> int:
+        """Root episodes of a group of ``group_size`` leaves (`ConfigError` if not whole)."""
+        if group_size % self.leaves_per_root:
+            raise ConfigError(
+                f"a group of {group_size} leaves cannot be split into trees of width "
+                f"{self.width} forking at turns {list(self.turns)} ({self.leaves_per_root} "
+                "leaves per root); make group_size a multiple of width ** len(turns)")
+        return group_size // self.leaves_per_root
+
 
 
 def nonzero_variance(trajectories: Sequence[Trajectory], eps: float = 1e-8) -> bool:
@@ -123,6 +152,7 @@ class PauseReport:
 
 __all__ = [
     "BUILTIN_FILTERS",
+    "Branching",
     "GroupFilter",
     "GroupResult",
     "GroupTask",

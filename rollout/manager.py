@@ -6,7 +6,8 @@
         for step in range(steps):
             batch = await manager.generate_batch(step)      # RolloutBatch(samples, trajectories, metrics)
             ...train on batch.samples...
-            await manager.update_weights(push=sync.weights_of(backend))  # pause, push, resume
+            async with manager.weights_paused(step + 1):       # pause (unless in place), resume
+                await push.push(step + 1)                      # the trainer's weights
 
 Batches: the manager draws tasks (requeued ones first), hands each worker groups through one
 long-poll call per worker (`RolloutWorker.exchange`), judges every finished group (failure policy,
@@ -48,20 +49,19 @@ import asyncio
 import contextlib
 import math
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from palaestra.errors import CheckpointError, ConfigError, EngineError, RolloutError
-from palaestra.rollout.branching import Branching
+from palaestra.rollout.groups import Branching
 from palaestra.rollout.cluster import WorkerClient, WorkerPool
 from palaestra.rollout.config import RolloutConfig, WorkerConfig
 from palaestra.rollout.data import DataSource, _mix
-from palaestra.engine import Engine
+from palaestra.engine import Engine, UpdatesInPlace
 from palaestra.rollout.groups import judge_group, resolve_filters
 from palaestra.rollout.metrics import summarize
-from palaestra.engines.weights.push import WeightPush
 from palaestra.rollout.groups import GroupResult, GroupTask
 from palaestra.types import Sample, Trajectory
 
@@ -455,41 +455,54 @@ class RolloutManager:
         self._step.counters["episodes/resumed"] += sum(restarted)
         self._paused = False
 
+    @contextlib.asynccontextmanager
+    async def weights_paused(self, version: int | None = None
+                             ) -> AsyncIterator[dict[str, float]]:
+        """Generation paused while the caller pushes new weights (in-flight episodes parked),
+        then ``version`` (default: the next) recorded as the newest policy version and
+        generation resumed. An engine that swaps weights between two decode steps
+        (`palaestra.engine.UpdatesInPlace`) is not paused: in-flight episodes go on and record
+        the version change in their tokens' spans. Yields the time of each phase
+        (``pause_s`` at once, ``push_s`` and ``resume_s`` when the block ends)."""
+        await self.start()
+        new_version = self.version + 1 if version is None else int(version)
+        times: dict[str, float] = {}
+        t0 = perf_counter()
+        in_place = not self._paused and isinstance(self._control, UpdatesInPlace) \
+            and self._control.updates_in_place
+        if not in_place:
+            await self.pause()
+        t1 = perf_counter()
+        times["pause_s"] = t1 - t0
+        yield times
+        self.version = new_version
+        t2 = perf_counter()
+        if not in_place:
+            await self.resume()
+        times.update(push_s=t2 - t1, resume_s=perf_counter() - t2)
+
     async def update_weights(
         self,
         state_dict: Mapping[str, Any] | None = None,
         *,
         path: str | None = None,
         version: int | None = None,
-        push: WeightPush | None = None,
     ) -> dict[str, float]:
-        """Pause generation, push new weights, resume; returns the time of each phase.
-
-        ``push`` moves the weights (the trainer's `EngineSync.weights_of(backend)`); without it
-        the manager sends ``state_dict`` or the checkpoint at ``path`` (or, with neither, only
-        the new version tag) itself (`EngineWeights`): to shared engines through its control
-        client, to owned engines through their workers.
-        """
+        """Pause generation, send ``state_dict`` or the checkpoint at ``path`` (or, with
+        neither, only the new version tag) to the engines, resume; returns the time of each
+        phase. Shared engines get it through the manager's control client, owned engines
+        through their workers. A trainer's weights go by its own push inside
+        `weights_paused`."""
         await self.start()
-        if push is not None and (state_dict is not None or path is not None):
-            raise ConfigError("update_weights: give the weights either as push= or as "
-                              "state_dict/path, not both")
         new_version = self.version + 1 if version is None else int(version)
-        if push is None:
-            push = EngineWeights(self, state_dict, path)
-        t0 = perf_counter()
-        # an engine that swaps weights between two decode steps (LocalEngine) needs no parking:
-        # in-flight episodes go on and record the version change in their tokens' spans
-        in_place = not self._paused and getattr(self._control, "updates_in_place", False)
-        if not in_place:
-            await self.pause()
-        t1 = perf_counter()
-        await push.push(new_version)
-        self.version = new_version
-        t2 = perf_counter()
-        if not in_place:
-            await self.resume()
-        return {"pause_s": t1 - t0, "push_s": t2 - t1, "resume_s": perf_counter() - t2}
+        async with self.weights_paused(new_version) as times:
+            if self._control is not None:
+                await self._on_engines("update_weights", lambda e: e.update_weights(
+                    state_dict, path=path, version=new_version))
+            else:
+                await asyncio.gather(*(h.update_weights(new_version, state_dict, path)
+                                       for h in self._handles))
+        return times
 
     async def _on_engines(self, what: str, call: Callable[[Engine], Awaitable[None]]) -> None:
         """A control call on the shared engines; a dead engine is counted, not fatal, as long as
@@ -602,7 +615,7 @@ class RolloutManager:
         from dataclasses import replace
 
         from palaestra.engines.clients.router import Router
-        from palaestra.engines.clients.sglang import SGLangClient
+        from palaestra.engines.clients.sglang_client import SGLangClient
 
         spec = self.worker_config.engine
         if spec.owned or not spec.urls:
@@ -651,24 +664,4 @@ def _branching(saved: Any) -> Branching | None:
     return Branching(tuple(saved["turns"]), int(saved["width"]))
 
 
-class EngineWeights:
-    """The manager's own `WeightPush`: a state dict or a checkpoint path (neither: only the
-    version tag moves, as for scripted engines) to the shared engines through the manager's
-    control client, or to each worker's own engine when the workers own theirs."""
-
-    def __init__(self, manager: RolloutManager, state_dict: Mapping[str, Any] | None = None,
-                 path: str | None = None) -> None:
-        self.manager = manager
-        self.state_dict = state_dict
-        self.path = path
-
-    async def push(self, version: int) -> None:
-        m, weights, path = self.manager, self.state_dict, self.path
-        if m._control is not None:
-            await m._on_engines("update_weights", lambda e: e.update_weights(
-                weights, path=path, version=version))
-        else:
-            await asyncio.gather(*(h.update_weights(version, weights, path) for h in m._handles))
-
-
-__all__ = ["EngineWeights", "RolloutBatch", "RolloutManager"]
+__all__ = ["RolloutBatch", "RolloutManager"]

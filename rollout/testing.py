@@ -30,7 +30,7 @@ from palaestra.envs.calculator import CalculatorEnv, _format_number, evaluate_ar
 from palaestra.types import Message
 
 if TYPE_CHECKING:
-    from palaestra.engines.clients.sglang import ServerProcess
+    from palaestra.engines.clients.server_process import ServerProcess
 
 FLAKY_ENV_ID = "palaestra-test/FlakyCalculator-v0"
 FLAKY_ENTRY = f"palaestra.rollout.testing:{FLAKY_ENV_ID}"
@@ -108,7 +108,7 @@ def serve_processes(model: str | Path, count: int, log_dir: str | Path, *,
     ``log_dir``), started together and healthy on entry, stopped on exit (a synchronous caller:
     a test fixture)."""
     from palaestra.engines.serve.serve import serve_process
-    from palaestra.engines.clients.sglang import wait_all_ready
+    from palaestra.engines.clients.server_process import wait_all_ready
 
     procs = [serve_process(model, device="cpu", extra=extra, env=env,
                            log_path=Path(log_dir) / f"serve-{i}.log") for i in range(count)]

@@ -21,17 +21,20 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from palaestra.rollout.config import WorkerConfig
 from palaestra.engine import Engine
+from palaestra.rollout.config import WorkerConfig
 from palaestra.rollout.episode import EpisodeState
-from palaestra.rollout.play import run_episode
 from palaestra.rollout.gate import GatedEngine, GcTuning
 from palaestra.rollout.groups import GroupResult, GroupTask, PauseReport
+from palaestra.rollout.play import run_episode
 from palaestra.types import StopReason, Trajectory
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_ABORTS = 100  # an episode aborted more often than this (by the engine itself) fails
 
@@ -298,7 +301,8 @@ class RolloutWorker:
         return restored
 
     async def update_weights(
-        self, version: int, state_dict: Any = None, path: str | None = None
+        self, version: int, state_dict: Mapping[str, torch.Tensor] | None = None,
+        path: str | None = None
     ) -> None:
         """Update an engine this worker owns (shared engines are updated by the manager)."""
         await self.engine.update_weights(state_dict, path=path, version=version)
@@ -312,7 +316,7 @@ class RolloutWorker:
         spec = self.config.engine
         self.config = replace(self.config, engine=replace(spec, urls=tuple(urls)))
         from palaestra.engines.clients.router import Router
-        from palaestra.engines.clients.sglang import SGLangClient
+        from palaestra.engines.clients.sglang_client import SGLangClient
 
         router = self._engine
         out = {"finished": 0.0, "retried": 0.0}

@@ -6,14 +6,17 @@ A run is assembled here from the learners (`palaestra.trainers`), the rollout
 
 - ``cli``: ``palaestra train CONFIG``; ``config`` / ``config_checks``: the typed config tree and
   every problem at once; ``dry_run``: the resolved config and plan.
-- ``loop``: `RLRun` (rollout -> train -> weight push, sync and async) and its phases:
-  ``offline`` (SFT, DPO), ``reward_model`` (Bradley-Terry RM), ``critic`` (PPO's value model).
+- ``train``: ``palaestra train`` end to end (warm start, RL, evaluations, curves); ``rl``:
+  `RLRun`, one RL step (rollout -> learner update -> weight push, sync and async).
+- ``phases``: ``offline`` (SFT, DPO), ``reward_model`` (Bradley-Terry RM), ``critic`` (PPO's
+  value model), ``distill`` (the teacher; the learner of a step).
+- ``fleet``: the engines of a run: ``engine_sync`` / ``weight_pushes`` (weight push),
+  ``start`` / ``actors`` / ``launch`` / ``router`` (starting them), ``elastic`` (join and
+  leave), ``placement`` (GPU plans), ``colocate`` (time-sliced GPUs).
 - ``builders``: config sections -> engines, backends, rollout; ``run_dir``: run directory and
   resume; ``services`` / ``retriever``: servers beside the run; ``evaluation`` / ``tasks``:
-  held-out evaluation during training.
-- Engines of a run: ``engine_sync`` (weight push), ``run_engines`` / ``engine_actors`` /
-  ``server_launch`` (starting them), ``elastic`` / ``engines_cli`` (join and leave),
-  ``placement`` / ``trainer_plan`` (GPU plans), ``colocate`` (time-sliced GPUs).
+  held-out evaluation during training; ``trainer_plan`` / ``cluster_fit``: the trainer
+  group's plan and whether a Ray cluster fits the run; ``engines_cli``: ``palaestra engines``.
 
 Importing this package is light: each module imports torch, ray or the engines inside the
 functions that use them.

@@ -2,8 +2,8 @@
 training backend and its per-phase settings.
 
 Each builder takes the config sections (or values) it reads, never the whole `TrainConfig`, and
-returns a typed object, so a reader sees what a builder depends on. `palaestra.run.loop`
-(RL) and `palaestra.run.offline` (SFT/DPO) both build from here (neither imports the
+returns a typed object, so a reader sees what a builder depends on. `palaestra.run.rl`
+(RL) and `palaestra.run.phases.offline` (SFT/DPO) both build from here (neither imports the
 other for it).
 """
 
@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from palaestra.agents import AgentSpec
     from palaestra.contracts import TrainerBackend
-    from palaestra.engines import LocalEngine
     from palaestra.engines.clients.sglang import SGLangEngine
-    from palaestra.run.placement import RunPlan
+    from palaestra.engines.local.local import LocalEngine
+    from palaestra.run.fleet.placement import RunPlan
+    from palaestra.run.sections import AgentSection, EngineSection, TrainerSection
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
-    from palaestra.run.config import AgentSection, EngineSection, TrainerSection
-    from palaestra.trainers.megatron import MegatronBackend
+    from palaestra.trainers.megatron.backend import MegatronBackend
     from palaestra.trainers.megatron.config import MegatronBackendConfig
     from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
@@ -47,11 +47,11 @@ def build_engine(engine: EngineSection, model_path: Path, *, max_model_len: int,
     or a client over SGLang servers (``engine.urls`` and the ones ``engine.launch`` starts,
     logging to ``servers_dir``)."""
     if engine.kind == "sglang":
-        from palaestra.run.server_launch import launched_engine
+        from palaestra.run.fleet.launch import launched_engine
 
         launched: SGLangEngine = launched_engine(engine, model_path, servers_dir)
         return launched
-    from palaestra.engines import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
 
     return LocalEngine(
         model_path,
@@ -74,7 +74,7 @@ def megatron_backend(megatron: MegatronBackendConfig, model_path: Path, *, seed:
     over ``steps``), with ``changes`` to those settings."""
     from transformers import AutoConfig
 
-    from palaestra.trainers.megatron import MegatronBackend
+    from palaestra.trainers.megatron.backend import MegatronBackend
 
     return MegatronBackend(AutoConfig.from_pretrained(model_path),
                            megatron_config(megatron, seed=seed, steps=steps, **changes),
@@ -104,7 +104,7 @@ def backend_config(torch_cfg: TorchBackendConfig, *, temperature: float, seed: i
 
 def build_backend(trainer: TrainerSection, policy_path: Path, *, temperature: float, seed: int,
                   group: RunPlan | None = None, ray_address: str | None = None,
-                  placement_group: Any = None, ready_timeout_s: float = 300.0
+                  placement_group: object = None, ready_timeout_s: float = 300.0
                   ) -> TrainerBackend[TrainBatch, LossConfig]:
     """The RL training backend: the PyTorch one, Megatron-core on CUDA machines, or (``group``:
     the plan of ``[placement]`` with several trainer ranks) PyTorch ranks as Ray actors
@@ -128,7 +128,7 @@ def build_backend(trainer: TrainerSection, policy_path: Path, *, temperature: fl
         return TrainerGroup(policy_path, torch_cfg, group, address=ray_address,
                             placement_group=placement_group,
                             ready_timeout_s=ready_timeout_s).start()
-    from palaestra.trainers.torch_backend import TorchBackend
+    from palaestra.trainers.torch_backend.backend import TorchBackend
 
     return TorchBackend(policy_path, torch_cfg)
 

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"palaestra train: {exc}", file=sys.stderr)
         return 2
-    from palaestra.run.loop import check_run_dir  # light: imports no torch
+    from palaestra.run.train import check_run_dir  # light: imports no torch
 
     try:  # a run directory with other fixed settings is refused before any work
         check_run_dir(cfg)
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"palaestra train: {exc}", file=sys.stderr)
             return 2
         return 0
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     try:
         result = train(cfg)

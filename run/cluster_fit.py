@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 def run_asks(cfg: TrainConfig) -> list[Ask]:
     """The Ray requests of an RL run (empty: the run asks Ray for nothing)."""
     from palaestra.rollout.rewards import reward_client
-    from palaestra.run.run_engines import engine_actor_count, shares_trainer_bundles
+    from palaestra.run.fleet.start import engine_actor_count, shares_trainer_bundles
     from palaestra.run.trainer_plan import group_size, run_plan
 
     if cfg.algorithm != "rl":

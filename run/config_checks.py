@@ -1,6 +1,6 @@
-"""The checks of a `TrainConfig` that span fields or look outside it (env registry, data files).
+"""The checks of a `RunSettings` that span fields or look outside it (env registry, data files).
 
-`config_problems` runs when the config is validated (``TrainConfig``'s model validator), so
+`config_problems` runs when the config is validated (``RunSettings``'s model validator), so
 ``palaestra train CONFIG --dry-run`` refuses everything a run would die of later: an unknown env
 id (with its close match), env kwargs its constructor does not take, a missing, empty or broken
 task file (every bad row named, the first ones when there are many), rows without the fields the
@@ -23,14 +23,14 @@ from palaestra.errors import ConfigError, EnvNotFoundError
 
 if TYPE_CHECKING:
     from palaestra.rollout.task_checks import RowCheck, RowScan
-    from palaestra.run.config import TrainConfig
+    from palaestra.run.sections import RunSettings
 
 #: advantage estimators that compare a sample with the other samples of its group
 GROUP_BASELINES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "tree")
 CRITIC_FREE_PRESETS = "grpo, dr_grpo, dapo, gspo, rloo, reinforce_pp, reinforce_pp_baseline"
 
 
-def config_problems(cfg: TrainConfig) -> list[Problem]:
+def config_problems(cfg: RunSettings) -> list[Problem]:
     """Every problem of ``cfg`` that the field types alone do not catch."""
     out = _engine_problems(cfg) + _rollout_problems(cfg) + _agent_problems(cfg)
     out += _env_and_data_problems(cfg)
@@ -41,28 +41,28 @@ def config_problems(cfg: TrainConfig) -> list[Problem]:
     if cfg.warmup.steps > 0:
         out += _demonstration_problems(cfg)
     out += _reward_problems(cfg)
-    from palaestra.run.distill import distill_problems
+    from palaestra.run.phases.distill import distill_problems
     from palaestra.run.trainer_plan import placement_problems
-    from palaestra.run.run_engines import engine_actor_problems
+    from palaestra.run.fleet.start import engine_actor_problems
     from palaestra.run.services import services_problems
 
     from palaestra.run.on_policy import on_policy_problems
 
     out += distill_problems(cfg) + on_policy_problems(cfg)
-    from palaestra.run.router_choice import router_problems
+    from palaestra.run.fleet.router import router_problems
 
     out += router_problems(cfg)
     return out + services_problems(cfg) + placement_problems(cfg) + engine_actor_problems(cfg)
 
 
-def launch_problems(cfg: TrainConfig) -> list[Problem]:
+def launch_problems(cfg: RunSettings) -> list[Problem]:
     """Problems a real run has on this machine (a dry run only plans, e.g. for a GPU host)."""
-    from palaestra.run.router_choice import router_launch_problems
+    from palaestra.run.fleet.router import router_launch_problems
 
     return router_launch_problems(cfg) + _model_launch_problems(cfg)
 
 
-def _model_launch_problems(cfg: TrainConfig) -> list[Problem]:
+def _model_launch_problems(cfg: RunSettings) -> list[Problem]:
     """The policy checkpoint is there (or the config says how to build it)."""
     from palaestra.model_import import KNOWN_MODELS
 
@@ -81,7 +81,7 @@ def _model_launch_problems(cfg: TrainConfig) -> list[Problem]:
     return []
 
 
-def _engine_kind_problems(cfg: TrainConfig) -> list[Problem]:
+def _engine_kind_problems(cfg: RunSettings) -> list[Problem]:
     """Settings of ``engine.weight_sync`` (kind auto) that the embedded engine's in-process sync
     never reads; the other kinds refuse the settings they do not have as unknown fields. Not
     checked so, on purpose: the settings of the other ``engine.kind`` (the shipped local configs
@@ -104,9 +104,9 @@ def _engine_kind_problems(cfg: TrainConfig) -> list[Problem]:
     return out
 
 
-def _engine_problems(cfg: TrainConfig) -> list[Problem]:
+def _engine_problems(cfg: RunSettings) -> list[Problem]:
     e, out = cfg.engine, _engine_kind_problems(cfg)
-    from palaestra.run.run_engines import engine_actor_count
+    from palaestra.run.fleet.start import engine_actor_count
 
     if e.kind == "sglang" and not e.urls and e.launch == "none" and not engine_actor_count(cfg):
         out.append(Problem(("engine",), "engine.kind = 'sglang' needs engine.urls (attach to "
@@ -138,7 +138,7 @@ def _engine_problems(cfg: TrainConfig) -> list[Problem]:
     return out
 
 
-def _rollout_problems(cfg: TrainConfig) -> list[Problem]:
+def _rollout_problems(cfg: RunSettings) -> list[Problem]:
     from palaestra.rollout.config import rollout_problems
 
     r = cfg.rollout
@@ -151,7 +151,7 @@ def _rollout_problems(cfg: TrainConfig) -> list[Problem]:
     return out
 
 
-def _agent_problems(cfg: TrainConfig) -> list[Problem]:
+def _agent_problems(cfg: RunSettings) -> list[Problem]:
     from palaestra.agents.renderers import ALIASES, FAMILIES
     from palaestra.tiny_model import SIZES
 
@@ -168,7 +168,7 @@ def _agent_problems(cfg: TrainConfig) -> list[Problem]:
     return out
 
 
-def _env_and_data_problems(cfg: TrainConfig) -> list[Problem]:
+def _env_and_data_problems(cfg: RunSettings) -> list[Problem]:
     from palaestra.rollout.task_checks import env_class, task_row_check, unknown_kwargs
 
     out = []
@@ -210,7 +210,7 @@ def _env_and_data_problems(cfg: TrainConfig) -> list[Problem]:
     return out + _epoch_problems(cfg, scan.num_rows - held_out, "data.path")
 
 
-def _epoch_problems(cfg: TrainConfig, num_tasks: int, source: str) -> list[Problem]:
+def _epoch_problems(cfg: RunSettings, num_tasks: int, source: str) -> list[Problem]:
     epochs = cfg.data.epochs
     needed = cfg.trainer.steps * cfg.rollout.batch_size
     if epochs is None or num_tasks * epochs >= needed:
@@ -230,7 +230,7 @@ def _scan(path: str, check: RowCheck, field: str) -> RowScan | Problem:
         return Problem((field,), f"{field} = {path!r}: {exc}")
 
 
-def _loss_problems(cfg: TrainConfig) -> list[Problem]:
+def _loss_problems(cfg: RunSettings) -> list[Problem]:
     loss, out = cfg.trainer.loss, []
     preset = f" (preset {loss.preset!r})" if loss.preset else ""
     if loss.objective != "rl":
@@ -239,7 +239,7 @@ def _loss_problems(cfg: TrainConfig) -> list[Problem]:
             f"rewards; for RL choose a preset of {CRITIC_FREE_PRESETS}, or set algorithm = "
             f"{loss.objective!r} with offline.dataset")))
         return out
-    from palaestra.run.critic import critic_problems
+    from palaestra.run.phases.critic import critic_problems
 
     out += critic_problems(cfg)  # GAE's critic ([critic]), PPO's mini-batches
     backend = cfg.trainer.megatron if cfg.trainer.backend == "megatron" else cfg.trainer.torch
@@ -269,7 +269,7 @@ def _loss_problems(cfg: TrainConfig) -> list[Problem]:
     return out
 
 
-def _offline_problems(cfg: TrainConfig) -> list[Problem]:
+def _offline_problems(cfg: RunSettings) -> list[Problem]:
     from palaestra.rollout.task_checks import field_check
 
     dataset = cfg.offline.dataset
@@ -285,7 +285,7 @@ def _offline_problems(cfg: TrainConfig) -> list[Problem]:
     return []
 
 
-def _reward_problems(cfg: TrainConfig) -> list[Problem]:
+def _reward_problems(cfg: RunSettings) -> list[Problem]:
     """``[[rewards]]``: only RL episodes are scored; unique names; a classifier checkpoint that
     is there (a judge's server is reached only when the run starts)."""
     from palaestra.rollout.rewards.config import check_sources
@@ -310,7 +310,7 @@ def _reward_problems(cfg: TrainConfig) -> list[Problem]:
     return out
 
 
-def _demonstration_problems(cfg: TrainConfig) -> list[Problem]:
+def _demonstration_problems(cfg: RunSettings) -> list[Problem]:
     from palaestra.rollout.task_checks import field_check
 
     source = cfg.warmup.demonstrations

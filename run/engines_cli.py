@@ -1,6 +1,6 @@
 """``palaestra engines add|remove|list``: engines join and leave a running training run.
 
-Talks to the admin endpoint the run serves on loopback (`palaestra.run.elastic`): its
+Talks to the admin endpoint the run serves on loopback (`palaestra.run.fleet.elastic`): its
 address is in ``RUN/admin.json`` and its token in ``RUN/admin.token``, so the command runs on
 the run's machine by someone who can read the run directory. Standard library only.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 from palaestra.errors import ConfigError, EngineError, PalaestraError
 
-ADMIN_FILE = "admin.json"  # the names `palaestra.run.elastic` writes
+ADMIN_FILE = "admin.json"  # the names `palaestra.run.fleet.elastic` writes
 TOKEN_FILE = "admin.token"
 
 
@@ -88,7 +88,7 @@ def call(run_dir: str | Path, action: str, url: str | None = None, *,
     if gpus is not None and gpus < 0:
         raise ConfigError(f"--gpus must be >= 0 (got {gpus})")
     if url is not None:
-        from palaestra.run.elastic import normalize_url  # light: no torch, no aiohttp
+        from palaestra.run.fleet.elastic import normalize_url  # light: no torch, no aiohttp
 
         url = normalize_url(url)
     admin, token = _admin_of(Path(run_dir))

@@ -1,7 +1,7 @@
 """``trainer.on_policy``: what bitwise on-policy mode needs of the rest of a run.
 
 In bitwise mode the embedded engine and the torch backend run the same batch-invariant forward
-(`palaestra.engines.local.bitwise_forward`), so each sampled token's trainer logprob has the bits
+(`palaestra.engines.bitwise.forward`), so each sampled token's trainer logprob has the bits
 the engine reported (``rollout/logprob_max_abs_diff == 0.0`` every step). That holds only where
 both forwards are ours and read the same numbers: `on_policy_problems` refuses, before any work,
 the settings where they would not be (SGLang or launched servers, Ray engine actors, Megatron,
@@ -18,18 +18,18 @@ from typing import TYPE_CHECKING
 from palaestra.config import Problem
 
 if TYPE_CHECKING:
-    from palaestra.run.config import TrainConfig
+    from palaestra.run.sections import RunSettings
 
 #: model types the bitwise forward covers (dense Llama-family layers)
 BITWISE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def bitwise(cfg: TrainConfig) -> bool:
+def bitwise(cfg: RunSettings) -> bool:
     """Whether the run trains in bitwise on-policy mode."""
     return cfg.trainer.on_policy == "bitwise"
 
 
-def on_policy_problems(cfg: TrainConfig) -> list[Problem]:
+def on_policy_problems(cfg: RunSettings) -> list[Problem]:
     """Why ``trainer.on_policy = "bitwise"`` cannot hold in this run (empty otherwise)."""
     if not bitwise(cfg) and cfg.trainer.torch.on_policy == "default":
         return []

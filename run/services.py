@@ -12,7 +12,7 @@ index in process (or takes ``--env-kwargs '{"retriever": URL}'``).
         ... envs.make(cfg.env.id, **run_env_kwargs(cfg)) ...
 
 The server stops when the block ends, and also when the run is killed (see
-`palaestra.run.retriever`). Torch-free: `ServicesSection` is part of `TrainConfig`.
+`palaestra.run.retriever`). Torch-free: `ServicesSection` is part of `RunSettings`.
 """
 
 from __future__ import annotations
@@ -21,37 +21,25 @@ from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from contextvars import ContextVar
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from pydantic import Field
-
-from palaestra.config import Problem, Section
+from palaestra.config import Problem
 
 if TYPE_CHECKING:
-    from palaestra.run.config import TrainConfig
-
-
-class ServicesSection(Section):
-    retriever: Literal["none", "serve"] = "none"
-    """"serve": run ``palaestra serve-retriever`` over the env's BM25 corpus (env.kwargs
-    ``corpus``; ``retriever`` "bm25" or unset) on a free loopback port while the run lasts, and
-    point the run's envs at it over HTTP; recorded settings keep "bm25" (evaluation rebuilds the
-    same index in process)."""
-    retriever_startup_timeout_s: float = Field(300.0, gt=0.0)
-    """How long the retrieval server may take to index the corpus and answer /health."""
+    from palaestra.run.sections import RunSettings
 
 
 #: env kwargs that the running services override (the served retriever's URL)
 _OVERRIDES: ContextVar[Mapping[str, Any]] = ContextVar("palaestra_service_env_kwargs", default={})
 
 
-def run_env_kwargs(cfg: TrainConfig) -> dict[str, Any]:
+def run_env_kwargs(cfg: RunSettings) -> dict[str, Any]:
     """The env kwargs of the envs this run builds: the config's, with the URLs of the services
     running now (inside `run_services`) in place of what they serve."""
     return {**cfg.env.kwargs, **_OVERRIDES.get()}
 
 
-def services_problems(cfg: TrainConfig) -> list[Problem]:
+def services_problems(cfg: RunSettings) -> list[Problem]:
     """What keeps ``[services]`` from starting (empty when nothing is asked)."""
     if cfg.services.retriever == "none":
         return []
@@ -71,7 +59,7 @@ def services_problems(cfg: TrainConfig) -> list[Problem]:
 
 
 @asynccontextmanager
-async def run_services(cfg: TrainConfig, root: Path) -> AsyncIterator[None]:
+async def run_services(cfg: RunSettings, root: Path) -> AsyncIterator[None]:
     """Start the services ``cfg.services`` asks for (logs in ``root/services``), make
     `run_env_kwargs` point at them inside the block, and stop them when it ends."""
     if cfg.services.retriever == "none":
@@ -95,4 +83,4 @@ async def run_services(cfg: TrainConfig, root: Path) -> AsyncIterator[None]:
         server.stop()
 
 
-__all__ = ["ServicesSection", "run_env_kwargs", "run_services", "services_problems"]
+__all__ = ["run_env_kwargs", "run_services", "services_problems"]

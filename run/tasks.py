@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from palaestra.engine import Engine, SamplingParams
 from palaestra.types import Trajectory
+
+if TYPE_CHECKING:
+    from palaestra.agents.spec import AgentSpec
 
 
 def tasks_from_env(
@@ -35,7 +38,7 @@ def tasks_from_env(
 
 async def evaluate_tasks(
     engine: Engine,
-    agent_spec: Any,
+    agent_spec: AgentSpec,
     env_id: str,
     tasks: Sequence[Mapping[str, Any]],
     sampling: SamplingParams,

@@ -1,4 +1,4 @@
-"""The run's placement plan from a `TrainConfig` (no Ray, no torch): what the trainer group and
+"""The run's placement plan from a `RunSettings` (no Ray, no torch): what the trainer group and
 ``--dry-run`` use, and the load-time checks of ``[placement]`` (`placement_problems`)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from palaestra.config import Problem
 from palaestra.errors import ConfigError
 
 if TYPE_CHECKING:
-    from palaestra.run.placement import RunPlan
-    from palaestra.run.config import TrainConfig
+    from palaestra.run.fleet.placement import RunPlan
+    from palaestra.run.sections import RunSettings
 
 
-def trainer_on_gpu(cfg: TrainConfig) -> bool:
+def trainer_on_gpu(cfg: RunSettings) -> bool:
     """Whether trainer ranks get GPU bundles: GPU nodes and a trainer not pinned to the CPU."""
     p = cfg.placement
     if p is None or p.gpus_per_node == 0:
@@ -21,7 +21,7 @@ def trainer_on_gpu(cfg: TrainConfig) -> bool:
     return cfg.trainer.backend == "megatron" or cfg.trainer.torch.device != "cpu"
 
 
-def _parallel(cfg: TrainConfig) -> dict[str, int]:
+def _parallel(cfg: RunSettings) -> dict[str, int]:
     if cfg.trainer.backend == "megatron":
         m = cfg.trainer.megatron
         return {"model_parallel": m.tp * m.pp, "expert_parallel": getattr(m, "ep", 1) or 1,
@@ -29,9 +29,9 @@ def _parallel(cfg: TrainConfig) -> dict[str, int]:
     return {"model_parallel": 1, "expert_parallel": 1, "tp": 1, "pp": 1}
 
 
-def run_plan(cfg: TrainConfig) -> RunPlan | None:
+def run_plan(cfg: RunSettings) -> RunPlan | None:
     """The plan of ``cfg.placement`` (None without one); raises `ConfigError` when impossible."""
-    from palaestra.run.placement import plan_run
+    from palaestra.run.fleet.placement import plan_run
 
     if cfg.placement is None:
         return None
@@ -39,14 +39,14 @@ def run_plan(cfg: TrainConfig) -> RunPlan | None:
                     **_parallel(cfg))
 
 
-def group_size(cfg: TrainConfig) -> int:
+def group_size(cfg: RunSettings) -> int:
     """Trainer ranks of the run (1: the backend lives in the driver process)."""
     return 1 if cfg.placement is None else cfg.placement.trainer_ranks
 
 
-def placement_problems(cfg: TrainConfig) -> list[Problem]:
+def placement_problems(cfg: RunSettings) -> list[Problem]:
     """Why ``[placement]`` cannot run (checked when the config loads, dry run included)."""
-    from palaestra.run.placement import plan_problems
+    from palaestra.run.fleet.placement import plan_problems
 
     p = cfg.placement
     if p is None:
@@ -79,7 +79,7 @@ def placement_problems(cfg: TrainConfig) -> list[Problem]:
     return out
 
 
-def require_plan(cfg: TrainConfig) -> RunPlan:
+def require_plan(cfg: RunSettings) -> RunPlan:
     plan = run_plan(cfg)
     if plan is None:
         raise ConfigError("a trainer group needs a [placement] section (placement.trainer_ranks)")

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from palaestra.errors import MissingExtraError, SandboxError
+from palaestra.processes import pid_alive
 from palaestra.sandbox.base import Sandbox
-from palaestra.sandbox.spec import RunSpec
 from palaestra.sandbox.isolation import DEV_FILES, clean_env
 from palaestra.sandbox.outcome import result_from_frame
 from palaestra.sandbox.requests import ZygoteRequests, file_reply
 from palaestra.sandbox.result import ExecResult
 from palaestra.sandbox.shipping import runtime_argv
+from palaestra.sandbox.spec import RunSpec
 from palaestra.sandbox.zygote import ZygoteClient, ZygoteDied
 
 MIB = 1024 * 1024
@@ -197,7 +198,7 @@ class DockerSandbox(Sandbox):
         for c in self._client.containers.list(all=True, filters={"label": LABEL}):
             owner = (c.labels or {}).get(OWNER_LABEL, "")
             name, _, pid = owner.partition(":")
-            if name == host and pid.isdigit() and not _pid_alive(int(pid)):
+            if name == host and pid.isdigit() and not pid_alive(int(pid)):
                 try:
                     c.remove(force=True)
                 except Exception:
@@ -389,13 +390,3 @@ class DockerSandbox(Sandbox):
             "the docker sandbox cannot fork sessions: a session is one container, and a fork "
             "inside it would share the container's memory, pids and CPU limits and its one "
             "/workspace; use Sandbox(backend='local') for session.fork()")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

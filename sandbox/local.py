@@ -104,23 +104,7 @@ class LocalSandbox(Sandbox):
         from palaestra.sandbox.seccomp import build_filter_bpf
 
         self._seccomp = await asyncio.to_thread(build_filter_bpf)
-        if launcher == "bwrap":
-            self._root, self._host_root = BWRAP_ROOT, ""
-            caps: tuple[str, ...] = ZYGOTE_CAPS_UID if per_run_uid else ()
-            if pidns:
-                caps += ZYGOTE_CAPS_PIDNS
-            assert report.bwrap is not None
-            self._launcher = bwrap_argv(report.bwrap, layout, self._root, cfg.ro_paths, caps,
-                                        cfg.workspace_mb)
-        else:
-            # The directory exists on the host; the zygote covers it with a tmpfs in its own
-            # mount namespace (unshare; none as root), so nothing lands on the host's disk.
-            self._root = self._host_root = tempfile.mkdtemp(prefix="palaestra-sbx-",
-                                                            dir=cfg.workdir_root)
-            os.chmod(self._root, 0o711)  # runs may enter their own directory, not list others
-            assert launcher == "none" or report.unshare is not None
-            self._launcher = unshare_argv(report.unshare, report.root) \
-                if launcher == "unshare" and report.unshare else []
+        self._set_launcher(launcher, report, layout, per_run_uid=per_run_uid, pidns=pidns)
         if report.root:
             # Whole-sandbox process cap (the per-uid RLIMIT_NPROC bounds each run already).
             limit = cfg.max_processes * (cfg.max_concurrency + 4) + 64
@@ -172,6 +156,28 @@ class LocalSandbox(Sandbox):
             raise ConfigError(f"memory_mb={cfg.memory_mb} leaves no room: the warm interpreter "
                               f"already maps {vm_mb:.0f} MiB (preloaded modules); raise memory_mb "
                               "or preload fewer modules")
+
+    def _set_launcher(self, launcher: str, report: IsolationReport, layout: PythonLayout, *,
+                      per_run_uid: bool, pidns: bool) -> None:
+        """The zygote's argv and the runs' root directory for ``launcher``."""
+        cfg = self.config
+        if launcher == "bwrap":
+            self._root, self._host_root = BWRAP_ROOT, ""
+            caps: tuple[str, ...] = ZYGOTE_CAPS_UID if per_run_uid else ()
+            if pidns:
+                caps += ZYGOTE_CAPS_PIDNS
+            assert report.bwrap is not None
+            self._launcher = bwrap_argv(report.bwrap, layout, self._root, cfg.ro_paths, caps,
+                                        cfg.workspace_mb)
+        else:
+            # The directory exists on the host; the zygote covers it with a tmpfs in its own
+            # mount namespace (unshare; none as root), so nothing lands on the host's disk.
+            self._root = self._host_root = tempfile.mkdtemp(prefix="palaestra-sbx-",
+                                                            dir=cfg.workdir_root)
+            os.chmod(self._root, 0o711)  # runs may enter their own directory, not list others
+            assert launcher == "none" or report.unshare is not None
+            self._launcher = unshare_argv(report.unshare, report.root) \
+                if launcher == "unshare" and report.unshare else []
 
     def _check_features(self, feats: dict[str, Any], pidns: bool) -> None:
         """Refuse to run weaker than asked: every problem with the fix in one message."""

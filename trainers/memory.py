@@ -1,12 +1,12 @@
 """Memory of a trainer on its accelerator: what ``offload`` moves and what the GPU holds.
 
-Read by the colocated phases of a run (`palaestra.run.colocate`) and by each trainer rank of a
+Read by the colocated phases of a run (`palaestra.run.fleet.colocate`) and by each trainer rank of a
 trainer group (`palaestra.trainers.group.actor`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 GIB = 1024**3
 
 
-def gpu_memory(device: Any = None) -> dict[str, float]:
+def gpu_memory(device: torch.device | str | None = None) -> dict[str, float]:
     """GPU memory of this process on ``device`` (GiB): allocated, reserved, peak (0 on CPU)."""
     import torch
 

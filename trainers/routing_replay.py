@@ -32,7 +32,7 @@ ROUTING_REPLAY_MODES = ("off", "rollout")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def find_routers(model: Any) -> dict[int, Any]:
+def find_routers(model: torch.nn.Module) -> dict[int, Any]:
     """Layer index -> top-k router module of an HF MoE model (empty for dense models)."""
     found: dict[int, Any] = {}
     for name, module in model.named_modules():
@@ -83,7 +83,7 @@ def _replayed_forward(router: Any, state: RoutingReplay, layer: int) -> Any:
 class RoutingReplay:
     """Forces recorded expert choices into a model's routers (see the module docstring)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         self.routers = find_routers(model)
         if not self.routers:
             raise ConfigError(
@@ -99,7 +99,7 @@ class RoutingReplay:
         """The micro-batch's ``[R, L, layers, top_k]`` routes (None: every router is free)."""
         self.routes = None if routes is None else routes.reshape(-1, *routes.shape[2:])
 
-    def forced(self, layer: int, tokens: int, top_k: int, device: Any) -> torch.Tensor | None:
+    def forced(self, layer: int, tokens: int, top_k: int, device: torch.device | str) -> torch.Tensor | None:
         routes = self.routes
         if routes is None:
             return None

@@ -43,7 +43,7 @@ def config_overrides() -> dict[str, Any]:
     return out
 
 
-def _replays(model: Any) -> list[tuple[int, Any]]:
+def _replays(model: torch.nn.Module) -> list[tuple[int, Any]]:
     """(global 0-based layer index, RouterReplay) of this pipeline stage's MoE layers."""
     found = []
     for module in model.modules():
@@ -59,7 +59,7 @@ def _replays(model: Any) -> list[tuple[int, Any]]:
 class MegatronRoutingReplay:
     """Drives megatron-core's per-router ``RouterReplay`` from rollout routes."""
 
-    def __init__(self, model: Any, *, sequence_parallel: bool = False, tp_rank: int = 0,
+    def __init__(self, model: torch.nn.Module, *, sequence_parallel: bool = False, tp_rank: int = 0,
                  tp_size: int = 1) -> None:
         try:
             from megatron.core.transformer.moe.router_replay import RouterReplayAction

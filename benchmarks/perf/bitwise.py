@@ -12,7 +12,7 @@ vocabulary: `palaestra.benchmarks.perf.shapes`); ``qwen3-0.6b-legacy`` the shape
 before 2026-12-04.
 
 For each mode (``default``: each side's fast kernels; ``bitwise``: the shared batch-invariant
-forward, `palaestra.engines.local.bitwise_forward`) it builds a `LocalEngine`, samples
+forward, `palaestra.engines.bitwise.forward`) it builds a `LocalEngine`, samples
 ``--requests`` random prompts x ``--new-tokens`` tokens at temperature 1 (all submitted at once,
 after one warm-up call), then hands the sampled sequences to a `TorchBackend` of the same mode:
 the largest |trainer - engine| logprob over the sampled tokens, and the median of ``--steps``
@@ -76,7 +76,7 @@ def measure(model: Path, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from palaestra.engines.local.local import LocalEngine
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.torch_backend.backend import TorchBackend
     from palaestra.trainers.torch_backend.config import TorchBackendConfig
 

@@ -187,7 +187,7 @@ def _engine_counts(engine: Any) -> dict[str, float]:
 
 
 async def _compare(name: str, build: Any) -> list[dict[str, Any]]:
-    from palaestra.rollout.branching import Branching
+    from palaestra.rollout.groups import Branching
 
     rows = []
     for mode, branching in (("independent", Branching((), 1)),

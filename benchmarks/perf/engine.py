@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from palaestra.contracts import ChatTool, Tokenizer
 
 PEAK_BW_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "L40S": 864.0}
-QWEN3_SHAPES = ("qwen3-0.6b", "qwen3-1.7b")  # model cards in trainers.dry_run.NAMED_SHAPES
+QWEN3_SHAPES = ("qwen3-0.6b", "qwen3-1.7b")  # model cards in palaestra.model_shapes.NAMED_SHAPES
 
 
 def _prompts(n: int, lo: int, hi: int, seed: int, vocab: int) -> list[list[int]]:
@@ -240,7 +240,7 @@ def gpu_model(shape: str) -> Any:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from palaestra.run.dry_run import NAMED_SHAPES
+    from palaestra.model_shapes import NAMED_SHAPES
 
     card = {k: v for k, v in NAMED_SHAPES[shape].items() if k != "model_type"}
     config = Qwen3Config(**card, eos_token_id=151645, pad_token_id=151643)

@@ -116,7 +116,7 @@ def gpu_intervals(trace_file: Path) -> tuple[list[tuple[int, int]], tuple[float,
 
 def _rl_run_class() -> Any:
     """The class whose ``step`` runs one RL step (where the loop keeps it)."""
-    from palaestra.run.loop import RLRun
+    from palaestra.run.rl import RLRun
 
     return RLRun
 

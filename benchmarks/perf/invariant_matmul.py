@@ -52,7 +52,7 @@ def _checks(x: Any, w: Any) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from palaestra.engines.local.invariant_triton import bmm_nt
+    from palaestra.engines.bitwise.invariant_triton import bmm_nt
 
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -75,7 +75,7 @@ def _sweep(x: Any, w: Any, calls: int, replays: int, configs: dict[str, Any]
     """Time and row-0 invariance of the kernel in each configuration of ``configs``."""
     import torch
 
-    from palaestra.engines.local.invariant_triton import _bmm_nt_forward
+    from palaestra.engines.bitwise.invariant_triton import _bmm_nt_forward
 
     out: dict[str, Any] = {}
     for name, tiles in configs.items():
@@ -94,7 +94,7 @@ def measure(name: str, n: int, k: int, m: int, dtype: Any, calls: int, replays: 
     import torch
     import torch.nn.functional as F
 
-    from palaestra.engines.local.invariant_triton import bmm_nt
+    from palaestra.engines.bitwise.invariant_triton import bmm_nt
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(m, k, device="cuda", generator=gen).to(dtype)
@@ -130,7 +130,7 @@ def _forward_totals(rows: list[dict[str, Any]], layers: int) -> dict[str, dict[s
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from palaestra.engines.local import invariant_triton as inv
+    from palaestra.engines.bitwise import invariant_triton as inv
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--ms", default="1,16,64,256,4096", help="rows per call, comma-separated")

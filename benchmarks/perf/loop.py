@@ -189,7 +189,7 @@ def child(spec_file: Path) -> int:
     spec = json.loads(spec_file.read_text())
     from palaestra.config import load_config
     from palaestra.run.config import TrainConfig
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     cfg = load_config(TrainConfig, spec["config"], spec["overrides"])
     traced = None

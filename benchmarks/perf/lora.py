@@ -91,7 +91,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from palaestra.benchmarks.perf.weight_sync import build_checkpoint
     from palaestra.engines.local.local import LocalEngine
     from palaestra.trainers.algorithms.config import LossConfig
-    from palaestra.run.engine_sync import EngineSync
+    from palaestra.run.fleet.engine_sync import EngineSync
+    from palaestra.run.fleet.weight_pushes import build_push
     from palaestra.trainers.torch_backend.backend import TorchBackend
     from palaestra.trainers.torch_backend.config import TorchBackendConfig
     from palaestra.trainers.torch_backend.lora import LoraSettings
@@ -115,7 +116,8 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         engines = {m: LocalEngine(model, device=args.device, dtype=engine_dtype,
                                   lora_mode="merged" if m == "full" else m,
                                   cuda_graphs=True) for m in modes}  # lowrank decodes without
-        syncs = {m: EngineSync("in_process", e, bucket_bytes=512 << 20, dtype=engine_dtype)
+        syncs = {m: build_push(EngineSync("in_process", e, bucket_bytes=512 << 20,
+                                          dtype=engine_dtype), backend)
                  for m, e in engines.items()}
         steps: list[float] = []
         pushes: dict[str, list[Any]] = {m: [] for m in modes}
@@ -127,7 +129,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             if rep:  # the first step allocates the optimizer state
                 steps.append(time.perf_counter() - t0)
             for m, sync in syncs.items():
-                stats = await sync.push_now(backend, rep + 1)
+                stats = await sync.push(rep + 1)
                 if args.device == "cuda":
                     torch.cuda.synchronize()
                 if rep:

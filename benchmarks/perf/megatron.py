@@ -29,12 +29,12 @@ import time
 from typing import Any
 
 DATASHEET_TFLOPS = 989.0
-SHAPES = ("0.6b", "1.7b", "4b")  # Qwen3 model cards, from trainers.dry_run.NAMED_SHAPES
+SHAPES = ("0.6b", "1.7b", "4b")  # Qwen3 model cards, from palaestra.model_shapes.NAMED_SHAPES
 
 
 def qwen3_config(name: str) -> dict[str, Any]:
     """The HF config fields of the Qwen3 model card ``name`` ("1.7b")."""
-    from palaestra.run.dry_run import NAMED_SHAPES
+    from palaestra.model_shapes import NAMED_SHAPES
 
     return dict(NAMED_SHAPES[f"qwen3-{name}"])
 
@@ -114,7 +114,7 @@ def bench_model(name: str, args: argparse.Namespace, peak: float) -> dict[str, A
     import torch
     import transformers
 
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.megatron.arch import arch_from_hf_config
     from palaestra.trainers.megatron.backend import MegatronBackend

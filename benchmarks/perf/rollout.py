@@ -52,7 +52,9 @@ def _rows(n: int) -> list[dict[str, Any]]:
 
 async def _run(name: str, pool: Any, worker_config: Any, episodes: int, concurrency: int,
                costs: dict[str, float], group_size: int = 4) -> dict[str, Any]:
-    from palaestra.rollout import DataSource, RolloutConfig, RolloutManager
+    from palaestra.rollout.config import RolloutConfig
+    from palaestra.rollout.data import DataSource
+    from palaestra.rollout.manager import RolloutManager
 
     groups = max(1, episodes // group_size)
     cfg = RolloutConfig(batch_size=groups, group_size=group_size, max_concurrency=concurrency,
@@ -134,7 +136,7 @@ async def component_costs(model: str, episodes: int = 200) -> dict[str, float]:
     episodes played one at a time through `run_episode` (no concurrency, so no queueing)."""
     from palaestra.agents import AgentSpec
     from palaestra.envs import make
-    from palaestra.rollout import run_episode
+    from palaestra.rollout.play import run_episode
     from palaestra.engine import SamplingParams
     from palaestra.rollout.testing import scripted_router
 
@@ -170,7 +172,8 @@ def _serve(model: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
 
 async def main_async(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, float]]:
     from palaestra.agents import AgentSpec
-    from palaestra.rollout import EngineSpec, WorkerConfig, WorkerPool
+    from palaestra.rollout.cluster import WorkerPool
+    from palaestra.rollout.config import EngineSpec, WorkerConfig
     from palaestra.engine import SamplingParams
     from palaestra.rollout.testing import scripted_router
 

@@ -55,7 +55,7 @@ async def _pass(urls: list[str], label: str, args: argparse.Namespace, model: st
     from palaestra.engine import SamplingParams
     from palaestra.engines.clients.sglang import SGLangEngine
     from palaestra.envs import make
-    from palaestra.rollout import run_episode
+    from palaestra.rollout.play import run_episode
 
     router = "palaestra" if label == "palaestra" else "sglang"
     extra = args.sglang_args.split() if label == "sglang+args" else ()
@@ -101,7 +101,7 @@ async def _pass(urls: list[str], label: str, args: argparse.Namespace, model: st
 
 
 async def _run(args: argparse.Namespace, model: str, work: Path) -> dict[str, Any]:
-    from palaestra.engines.clients.sglang import wait_all_ready
+    from palaestra.engines.clients.server_process import wait_all_ready
     from palaestra.engines.serve.serve import serve_process
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

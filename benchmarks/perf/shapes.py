@@ -36,7 +36,7 @@ RESERVED = "[reserved_{}]"
 
 def model_cards() -> Mapping[str, Mapping[str, Any]]:
     """The public model cards (Hugging Face config.json fields) by lower-case name."""
-    from palaestra.run.dry_run import NAMED_SHAPES
+    from palaestra.model_shapes import NAMED_SHAPES
 
     return NAMED_SHAPES
 

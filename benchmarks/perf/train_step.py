@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from palaestra.benchmarks.perf.loop import ensure_shape_model
     from palaestra.benchmarks.perf.megatron import kernel_profile
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
 
     model_dir = ensure_shape_model(args.shape, Path(args.work) / f"model-{args.shape}")
     hf_cfg = transformers.AutoConfig.from_pretrained(model_dir)
@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     for backend_name in args.backends.split(","):
         torch.cuda.reset_peak_memory_stats()
         if backend_name == "torch":
-            from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+            from palaestra.trainers.torch_backend.backend import TorchBackend
+            from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
             _, settings = _variant(f"torch:{args.torch_settings}")
             fields = {"device": "cuda", "lr": 1e-5,

@@ -63,7 +63,7 @@ import json, sys, time
 sys.path.insert(0, sys.argv[1])
 from palaestra.config import load_config
 from palaestra.run.config import TrainConfig
-from palaestra.run.loop import train
+from palaestra.run.train import train
 cfg = load_config(TrainConfig, sys.argv[2])
 t0 = time.perf_counter()
 train(cfg)

@@ -74,9 +74,9 @@ async def bench_model(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
     from palaestra.engines.local.local import LocalEngine
     from palaestra.engines.serve.serve import serve_process
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
+    from palaestra.engines.weights.disk_sender import DiskWeightSender
     from palaestra.engines.weights.weight_transfer import (
-        DiskWeightSender,
         DistributedWeightSender,
         IpcWeightSender,
         bucketize,

@@ -20,12 +20,15 @@ import asyncio
 import contextlib
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from palaestra.errors import EngineError
 from palaestra.engine import Engine, EngineUnavailableError, Generation, SamplingParams
+from palaestra.errors import EngineError
+
+if TYPE_CHECKING:
+    import torch
 
 
 #: Python 3.11+: a task tells whether it is being cancelled itself (`asyncio.Task.cancelling`)
@@ -286,7 +289,7 @@ class Router:
             raise EngineError(f"{what} failed on {len(failed)} engine(s): "
                               + "; ".join(f"{m.name}: {r}" for m, r in failed))
 
-    async def update_weights(self, state_dict: Any = None, *, path: str | None = None,
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor] | None = None, *, path: str | None = None,
                              version: int | None = None) -> None:
         new = self.weight_version + 1 if version is None else version
         await self._broadcast("update_weights", state_dict, path=path, version=new)

@@ -25,7 +25,7 @@ import importlib.util
 import itertools
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,10 @@ from palaestra.engine import EngineUnavailableError, Generation, SamplingParams
 from palaestra.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
-    from palaestra.engines.clients.sglang import ServerProcess, SGLangClient
+    import torch
+
+    from palaestra.engines.clients.server_process import ServerProcess
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
 #: the pip requirement the router is tested with (pyproject's dev extra pins the same)
 ROUTER_REQUIREMENT = "sglang-router==0.3.2"
@@ -301,7 +304,7 @@ class SGLangRouted:
             raise EngineError(f"{what} failed on {len(failed)} server(s): "
                               + "; ".join(f"{c.url}: {r}" for c, r in failed))
 
-    async def update_weights(self, state_dict: Any = None, *, path: str | None = None,
+    async def update_weights(self, state_dict: Mapping[str, torch.Tensor] | None = None, *, path: str | None = None,
                              version: int | None = None) -> None:
         new = self.weight_version + 1 if version is None else version
         await self._each("update_weights", state_dict, path=path, version=new)

@@ -32,7 +32,7 @@ class BatchSampler:
     """Samples the next token of every row of a batch; ``logits_processors`` edit the logits
     first (the engine's `LocalEngine.logits_processors` is this same list)."""
 
-    def __init__(self, vocab_size: int, device: Any, seed: int) -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str, seed: int) -> None:
         import torch
 
         self.vocab_size = vocab_size

@@ -41,6 +41,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from palaestra.engines.triton_device import available
+
 if TYPE_CHECKING:
     import torch
 
@@ -188,18 +190,6 @@ def _kernel() -> tuple[Any, Any]:
     return split_kernel, merge_kernel
 
 
-@functools.cache
-def available(device_type: str) -> bool:
-    """Whether the Triton path can run on this device type (CUDA with Triton importable)."""
-    if device_type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -276,7 +266,7 @@ def dense_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return torch.einsum("bhl,bhld->bhd", torch.softmax(scores, dim=-1), vals)
 
 
-def self_check(device: Any, dtype: Any, heads: int, kv_heads: int, head_dim: int) -> str | None:
+def self_check(device: torch.device | str, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str | None:
     """Run the kernel once against `dense_reference` on a small case of this model's head
     layout, with one chunk per row and with several; None when it agrees, else why not (the
     engine then keeps the dense path)."""

@@ -22,9 +22,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from palaestra.engines.bitwise.decoder_config import DecoderConfig, MoEConfig, rope_tables
+from palaestra.engines.local.model import Decoder
+from palaestra.engines.local.moe import experts_forward
 from palaestra.errors import EngineError
-from palaestra.engines.local.model import Decoder, DecoderConfig, _rope_tables
-from palaestra.engines.local.moe import MoEConfig, experts_forward
 
 if TYPE_CHECKING:
     import torch
@@ -94,7 +95,7 @@ class MLADecoder(Decoder):
 
     supports_split_kv = False  # keys (nope + rope) are wider than values
 
-    def __init__(self, config: DecoderConfig, hf_config: Any, device: Any, dtype: Any,
+    def __init__(self, config: DecoderConfig, hf_config: Any, device: torch.device | str, dtype: torch.dtype,
                  qkv_bias: bool = False) -> None:
         import torch
 
@@ -151,7 +152,7 @@ class MLADecoder(Decoder):
             self.layers.append(layer)
         self.last_routes: list[torch.Tensor | None] = [None] * c.num_layers
         self._index_weights()
-        cos, sin = _rope_tables(hf, c, self.device, dtype)  # [positions, rope_dim]
+        cos, sin = rope_tables(hf, c, self.device, dtype)  # [positions, rope_dim]
         half = self.rope_dim // 2
         self.cos, self.sin = cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
         import importlib

@@ -15,7 +15,7 @@ turn that extends the same tokens copies it back instead of recomputing it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from palaestra.errors import EngineError
 
@@ -30,8 +30,8 @@ def _round_up(n: int, m: int) -> int:
 class SlotKVCache:
     """Per-layer K/V tensors indexed by slot and position; grows by reallocation."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype: Any,
-                 device: Any, max_length: int, slots: int = 8, length: int = 256,
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
+                 device: torch.device | str, max_length: int, slots: int = 8, length: int = 256,
                  length_granularity: int = 256) -> None:
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads

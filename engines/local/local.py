@@ -23,7 +23,6 @@ from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from palaestra.errors import ConfigError, EngineError
 from palaestra.engine import Generation, SamplingParams
 from palaestra.engines.local.batch_sampling import BatchSampler
 from palaestra.engines.local.prefix_cache import PrefixCache
@@ -31,6 +30,7 @@ from palaestra.engines.local.request import LocalRequest, LogitsProcessor, Strea
 from palaestra.engines.local.runner import ModelRunner, choose_decode_attention
 from palaestra.engines.local.scheduler import Scheduler
 from palaestra.engines.local.slots import KVSlots, new_slot_cache
+from palaestra.errors import ConfigError, EngineError
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +39,27 @@ if TYPE_CHECKING:
     from palaestra.engines.local.kv_cache import SlotKVCache
     from palaestra.engines.local.model import Decoder
     from palaestra.engines.local.parity import FullLogprobsRequest
+
+
+def _device_and_dtype(device: str | None, dtype: torch.dtype | str | None
+                      ) -> tuple[torch.device, torch.dtype]:
+    """The engine's device (CUDA when there is one) and compute dtype (float32 on CPU, else
+    bfloat16; a name such as "float16" is looked up in torch)."""
+    import torch
+
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        return dev, torch.float32 if dev.type == "cpu" else torch.bfloat16
+    return dev, getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _checked_lora_mode(mode: str) -> str:
+    """How the default LoRA adapter is applied (`palaestra.engines.local.lora`)."""
+    from palaestra.engines.local.lora import LORA_MODES
+
+    if mode not in LORA_MODES:
+        raise ConfigError(f"lora_mode {mode!r}: use one of {', '.join(LORA_MODES)}")
+    return mode
 
 
 class LocalEngine:
@@ -57,7 +78,7 @@ class LocalEngine:
         *,
         hf_model: Any = None,
         device: str | None = None,
-        dtype: Any = None,
+        dtype: torch.dtype | str | None = None,
         max_running: int = 64,
         max_model_len: int | None = None,
         max_prefill_tokens: int = 4096,
@@ -71,19 +92,13 @@ class LocalEngine:
         decode_attention: str = "auto",
         bitwise: bool = False,
     ) -> None:
-        import torch
-
         from palaestra.engines.local.loading import decoder_from_hf_model, load_decoder
 
         if (model_path is None) == (hf_model is None):
             raise ConfigError("pass exactly one of model_path or hf_model to LocalEngine")
         if max_running < 1 or max_prefill_tokens < 1:
             raise ConfigError("max_running and max_prefill_tokens must be >= 1")
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if dtype is None:
-            dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-        elif isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+        dev, dtype = _device_and_dtype(device, dtype)
         self.model_path = str(model_path) if model_path is not None else None
         self.device = dev
         self.dtype = dtype
@@ -124,11 +139,7 @@ class LocalEngine:
             self.decoder, self._slots, self._sampler, self.counters, device=dev,
             max_running=max_running, max_model_len=self.max_model_len,
             decode_steps=self.decode_steps, use_thread=use_thread, cuda_graphs=cuda_graphs)
-        from palaestra.engines.local.lora import LORA_MODES
-
-        if lora_mode not in LORA_MODES:
-            raise ConfigError(f"lora_mode {lora_mode!r}: use one of {', '.join(LORA_MODES)}")
-        self.lora_mode = lora_mode  # how the default LoRA adapter is applied (`lora.py`)
+        self.lora_mode = _checked_lora_mode(lora_mode)  # how the default LoRA adapter is applied (`lora.py`)
         self._scheduler = Scheduler(
             self._runner, self._slots, self.counters, max_running=max_running,
             max_prefill_tokens=max_prefill_tokens, max_model_len=self.max_model_len,
@@ -262,7 +273,7 @@ class LocalEngine:
         Running requests continue with the new weights; their generations record both versions
         in ``meta["weight_version_spans"]``.
         """
-        from palaestra.engines.local.model import iter_safetensors, safetensors_files
+        from palaestra.engines.weights.checkpoint_files import iter_safetensors, safetensors_files
 
         if (state_dict is None) == (path is None):
             raise EngineError("update_weights takes exactly one of state_dict or path")
@@ -400,6 +411,14 @@ class LocalEngine:
         self._runner.close()
 
     # --------------------------------------------------------------------------------- memory
+    def device_bytes(self) -> int:
+        """Device memory this engine holds: its KV cache, and its weights while they sit off
+        the CPU (on CPU: the KV cache alone, the only part a release frees there)."""
+        total = int(self.cache.num_bytes())
+        if self.device.type != "cpu" and self.decoder.embed.device.type != "cpu":
+            total += int(self.decoder.num_bytes())
+        return total
+
     async def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """Free the KV cache (tag ``kv_cache``) and move weights off the GPU (tag ``weights``)."""
         tags = list(tags or ("kv_cache", "weights"))

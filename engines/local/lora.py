@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from palaestra.engines.bitwise.lora_merge import merged_weight
 from palaestra.errors import EngineError
 
 if TYPE_CHECKING:
@@ -46,24 +47,6 @@ def _layout(decoder: Any) -> dict[str, list[tuple[str, int, int]]]:
             "o": [("o_proj", 0, h)],
             "gate_up": [("gate_proj", 0, inter), ("up_proj", inter, inter)],
             "down": [("down_proj", 0, h)]}
-
-
-def merged_weight(base: torch.Tensor, a: torch.Tensor, b_scaled: torch.Tensor, *,
-                  invariant: bool, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``W_base + B A`` in ``dtype`` (default: the base's), summed in float32: ``a [r, in]``,
-    ``b_scaled [out, r]`` (the scale folded in). ``invariant``: ``B A`` by the batch-invariant
-    GEMM (`palaestra.engines.local.invariant.linear`), as bitwise on-policy mode needs: the
-    engine merging an adapter and the torch trainer building its fused weights
-    (`palaestra.trainers.torch_backend.bitwise`) call this one function on the same float32
-    matrices, so the merged weights have the same bits on both sides (and autograd runs
-    through it on the trainer's)."""
-    if invariant:
-        from palaestra.engines.local.invariant import linear
-
-        delta = linear(b_scaled, a.t())
-    else:
-        delta = b_scaled @ a
-    return (base.float() + delta).to(dtype or base.dtype)
 
 
 @dataclass
@@ -348,4 +331,4 @@ class LoraRuntime:
         return y
 
 
-__all__ = ["LORA_MODES", "LoraAdapter", "LoraRuntime", "merged_weight"]
+__all__ = ["LORA_MODES", "LoraAdapter", "LoraRuntime"]

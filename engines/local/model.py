@@ -17,23 +17,28 @@ addresses never change (CUDA graphs stay valid) and a partial update (one bucket
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from palaestra.engines.bitwise.decoder_config import (
+    DecoderConfig,
+    signed_rope_tables,
+)
+from palaestra.engines.weights.checkpoint_files import (
+    iter_safetensors,
+    safetensors_files,
+    tensor_names,
+)
 from palaestra.errors import EngineError
-from palaestra.engines.local.moe import MoEConfig
 
 if TYPE_CHECKING:
     import torch
 
-    from palaestra.engines.local.bitwise_forward import BitwiseWeights, KVStore
-    from palaestra.engines.local.invariant import AttentionPlan
+    from palaestra.engines.bitwise.forward import BitwiseWeights, KVStore
+    from palaestra.engines.bitwise.invariant import AttentionPlan
     from palaestra.engines.local.kv_cache import SlotKVCache
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 
 #: Hugging Face ``model_type``s whose layers are not this module's (`load_decoder` picks their
 #: decoder class: `palaestra.engines.local.loading`)
@@ -45,58 +50,6 @@ def _refuse_other_layout(cls: type, hf_config: Any) -> None:
     if cls is Decoder and model_type in OTHER_LAYOUTS:
         raise EngineError(f"a {model_type} checkpoint has its own decoder class; build it with "
                           "palaestra.engines.local.loading.load_decoder / decoder_from_hf_model")
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    """The shape of a Llama-family model, read from its Hugging Face config."""
-
-    model_type: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    max_positions: int
-    tie_word_embeddings: bool
-    qk_norm: bool
-    eos_token_ids: tuple[int, ...]
-    moe: MoEConfig | None = None  # qwen3_moe: the sparse blocks (see `moe`)
-
-    @classmethod
-    def from_hf(cls, hf: Any) -> DecoderConfig:
-        model_type = getattr(hf, "model_type", "")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise EngineError(
-                f"LocalEngine runs {', '.join(SUPPORTED_MODEL_TYPES)} models, not {model_type!r}; "
-                "serve other architectures with SGLangEngine"
-            )
-        if getattr(hf, "use_sliding_window", False) and getattr(hf, "sliding_window", None):
-            raise EngineError("sliding-window attention is not implemented by LocalEngine")
-        heads = hf.num_attention_heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
-        eos = hf.eos_token_id
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        moe = MoEConfig.from_hf(hf, hf.num_hidden_layers) if model_type == "qwen3_moe" else None
-        return cls(
-            model_type=model_type,
-            num_layers=hf.num_hidden_layers,
-            hidden_size=hf.hidden_size,
-            num_heads=heads,
-            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
-            head_dim=head_dim,
-            intermediate_size=hf.intermediate_size,
-            vocab_size=hf.vocab_size,
-            rms_norm_eps=hf.rms_norm_eps,
-            max_positions=hf.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
-            moe=moe,
-        )
 
 
 @dataclass
@@ -119,8 +72,20 @@ class ExtendBatch:
 
 
 class _Layer:
-    __slots__ = ("in_norm", "qkv_w", "qkv_b", "q_norm", "k_norm", "o_w", "post_norm", "gate_up_w",
-                 "down_w", "router_w", "experts_gate_up", "experts_down")
+    __slots__ = (
+        "down_w",
+        "experts_down",
+        "experts_gate_up",
+        "gate_up_w",
+        "in_norm",
+        "k_norm",
+        "o_w",
+        "post_norm",
+        "q_norm",
+        "qkv_b",
+        "qkv_w",
+        "router_w",
+    )
     in_norm: torch.Tensor
     qkv_w: torch.Tensor
     qkv_b: torch.Tensor | None
@@ -156,7 +121,7 @@ class Decoder:
     #: after its self-check (a class default: subclasses with their own __init__ inherit it)
     split_kv_attention = False
     #: bitwise on-policy mode (`enable_bitwise`): every forward through
-    #: `palaestra.engines.local.bitwise_forward`, batch-invariant
+    #: `palaestra.engines.bitwise.forward`, batch-invariant
     bitwise = False
 
     def __init__(self, config: DecoderConfig, hf_config: Any, device: Any, dtype: Any,
@@ -374,7 +339,7 @@ class Decoder:
         _refuse_other_layout(cls, hf_config)
         config = cls.config_from_hf(hf_config)
         files = safetensors_files(path)
-        qkv_bias = any(name.endswith("q_proj.bias") for name, _ in _iter_names(files))
+        qkv_bias = any(name.endswith("q_proj.bias") for name, _ in tensor_names(files))
         model = cls(config, hf_config, device, dtype, qkv_bias=qkv_bias)
         loaded: set[str] = set()
 
@@ -419,7 +384,7 @@ class Decoder:
             raise EngineError("turn bitwise on-policy mode on before loading LoRA adapters "
                               "(a merged one is then merged the way the trainer merges it)")
         if self.device.type == "cuda":
-            from palaestra.engines.local.invariant_triton import available
+            from palaestra.engines.bitwise.invariant_triton import available
 
             if not available("cuda"):
                 raise EngineError("bitwise on-policy mode on CUDA runs Triton kernels: "
@@ -429,7 +394,7 @@ class Decoder:
 
     def bitwise_weights(self) -> BitwiseWeights:
         """This decoder's tensors as `bitwise_forward` reads them (views, no copies)."""
-        from palaestra.engines.local.bitwise_forward import BitwiseWeights
+        from palaestra.engines.bitwise.forward import BitwiseWeights
 
         return BitwiseWeights(self.config, self.embed, self.final_norm, self.lm_head,
                               self.layers, self.cos, self.sin)
@@ -437,7 +402,7 @@ class Decoder:
     def _bitwise_logits(self, tokens: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor,
                         store: KVStore, rows: torch.Tensor | None = None,
                         plan: AttentionPlan | None = None) -> torch.Tensor:
-        from palaestra.engines.local import bitwise_forward as bf
+        from palaestra.engines.bitwise import forward as bf
 
         w = self.bitwise_weights()
         h = bf.hidden_states(w, tokens, seq, pos, store, plan)
@@ -520,9 +485,8 @@ class Decoder:
         import torch.nn.functional as F
 
         if self.bitwise:
-            from palaestra.engines.local.bitwise_forward import SlotCacheStore
-
-            from palaestra.engines.local.invariant import decode_plan
+            from palaestra.engines.bitwise.forward import SlotCacheStore
+            from palaestra.engines.bitwise.invariant import decode_plan
 
             c = self.config  # no host sync on this path: a CUDA graph captures it
             plan = decode_plan(positions, c.num_heads, c.num_kv_heads, key_len)
@@ -581,7 +545,7 @@ class Decoder:
         import torch.nn.functional as F
 
         if self.bitwise:
-            from palaestra.engines.local.bitwise_forward import SlotCacheStore
+            from palaestra.engines.bitwise.forward import SlotCacheStore
 
             return self._bitwise_logits(tokens, batch.slot_ids, batch.positions,
                                         SlotCacheStore(cache), batch.last_index)
@@ -627,7 +591,7 @@ class Decoder:
 
         n = tokens.shape[0]
         if self.bitwise:
-            from palaestra.engines.local.bitwise_forward import PackedStore
+            from palaestra.engines.bitwise.forward import PackedStore
 
             zeros = torch.zeros(n, dtype=torch.long, device=tokens.device)
             return self._bitwise_logits(tokens, zeros, torch.arange(n, device=tokens.device),
@@ -666,76 +630,4 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
     )
 
 
-def signed_rope_tables(hf_config: Any, c: DecoderConfig, device: Any, dtype: Any
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sign-folded sin ``[max_positions, head_dim]``: ``rotate_half(x) * sin ==
-    swap_halves(x) * sin_signed`` with the first half of sin negated (what the decoders and
-    the trainer's bitwise forward apply)."""
-    import torch
-
-    cos, sin = _rope_tables(hf_config, c, device, dtype)
-    half = c.head_dim // 2
-    return cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-
-
-def _rope_tables(hf_config: Any, c: DecoderConfig, device: Any, dtype: Any
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``[max_positions, head_dim]`` from the model's own rotary-embedding class."""
-    import importlib
-
-    import torch
-
-    module = importlib.import_module(f"transformers.models.{c.model_type}.modeling_{c.model_type}")
-    rotary_cls = next(
-        getattr(module, name) for name in dir(module) if name.endswith("RotaryEmbedding")
-    )
-    rotary = rotary_cls(config=hf_config)
-    x = torch.zeros(1, dtype=torch.float32)
-    with torch.no_grad():
-        cos, sin = rotary(x, torch.arange(c.max_positions)[None])
-    return cos[0].to(device=device, dtype=dtype), sin[0].to(device=device, dtype=dtype)
-
-
-def safetensors_files(path: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory (sharded or not), or the file itself."""
-    path = Path(path)
-    if path.is_file():
-        return [path]
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / s for s in shards]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise EngineError(f"no *.safetensors files in {path}; save the model with safetensors")
-    return files
-
-
-def _iter_names(files: list[Path]) -> Iterator[tuple[str, Path]]:
-    from safetensors import safe_open
-
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                yield name, f
-
-
-def iter_safetensors(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) pairs of safetensors files, one tensor in memory at a time."""
-    from safetensors import safe_open
-
-    for f in files:
-        with safe_open(str(f), framework="pt", device="cpu") as handle:
-            for name in handle.keys():
-                yield name, handle.get_tensor(name)
-
-
-__all__ = [
-    "SUPPORTED_MODEL_TYPES",
-    "Decoder",
-    "DecoderConfig",
-    "ExtendBatch",
-    "iter_safetensors",
-    "safetensors_files",
-    "signed_rope_tables",
-]
+__all__ = ["Decoder", "ExtendBatch"]

@@ -16,43 +16,17 @@ is an int16 tensor ``[prompt + output - 1, num_layers, top_k]`` (every token the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from palaestra.errors import EngineError
+from palaestra.engines.bitwise.decoder_config import MoEConfig
 from palaestra.engines.local.kv_cache import SlotKVCache
+from palaestra.errors import EngineError
 
 if TYPE_CHECKING:
     import torch
 
 #: placeholder expert id of dense layers and unknown positions
 NO_EXPERT = -1
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """Sparse-block shape of a Qwen3-MoE model (its Hugging Face config fields)."""
-
-    num_experts: int
-    top_k: int
-    norm_topk_prob: bool
-    moe_intermediate_size: int
-    sparse_layers: tuple[int, ...]  # indices of the layers whose MLP is a sparse block
-
-    @classmethod
-    def from_hf(cls, hf: Any, num_layers: int) -> MoEConfig:
-        experts = int(getattr(hf, "num_experts", 0) or 0)
-        top_k = int(getattr(hf, "num_experts_per_tok", 0) or 0)
-        if experts < 1 or not 1 <= top_k <= experts:
-            raise EngineError(
-                f"a qwen3_moe config needs num_experts >= 1 and 1 <= num_experts_per_tok <= "
-                f"num_experts, got {experts} and {top_k}"
-            )
-        step = int(getattr(hf, "decoder_sparse_step", 1) or 1)
-        dense = set(getattr(hf, "mlp_only_layers", None) or ())
-        sparse = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-        return cls(experts, top_k, bool(getattr(hf, "norm_topk_prob", False)),
-                   int(hf.moe_intermediate_size), sparse)
 
 
 def route(x: torch.Tensor, router_w: torch.Tensor, top_k: int, norm_topk_prob: bool

@@ -19,13 +19,15 @@ from palaestra.errors import ConfigError
 from palaestra.trace_ranges import span
 
 if TYPE_CHECKING:
+    import torch
+
     from palaestra.engines.local.batch_sampling import BatchSampler
     from palaestra.engines.local.model import Decoder
     from palaestra.engines.local.request import LocalRequest
     from palaestra.engines.local.slots import KVSlots
 
 
-def _attention_backends(device: Any) -> contextlib.AbstractContextManager[Any]:
+def _attention_backends(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     """SDPA without the cuDNN backend on CUDA. Prefill shapes are nearly all new (requests x
     new tokens x key length) and SDPA's default choice on an H200 spent its time on the host
     for each of them: in the issue-22 loop the prefill forwards took 65 ms per prefill call
@@ -39,7 +41,7 @@ def _attention_backends(device: Any) -> contextlib.AbstractContextManager[Any]:
                         SDPBackend.MATH])
 
 
-def choose_decode_attention(decoder: Decoder, device: Any, dtype: Any, choice: str) -> str:
+def choose_decode_attention(decoder: Decoder, device: torch.device, dtype: torch.dtype, choice: str) -> str:
     """``dense``: the batched GEMMs over the padded key length; ``triton``: the split-KV
     kernel (`decode_attention`), or a clear error where it cannot run; ``auto`` (the
     default): the kernel on CUDA when Triton is here and it agrees with the dense path on a
@@ -74,7 +76,7 @@ class ModelRunner:
     """
 
     def __init__(self, decoder: Decoder, slots: KVSlots, sampler: BatchSampler,
-                 counters: dict[str, int], *, device: Any, max_running: int, max_model_len: int,
+                 counters: dict[str, int], *, device: torch.device, max_running: int, max_model_len: int,
                  decode_steps: int, use_thread: bool, cuda_graphs: bool) -> None:
         import torch
 

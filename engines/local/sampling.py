@@ -49,7 +49,7 @@ def sampling_log_probs(logits: torch.Tensor, temperatures: torch.Tensor, *, inva
     import torch
 
     if invariant:
-        from palaestra.engines.local.invariant import divide_by_temperature, log_softmax
+        from palaestra.engines.bitwise.invariant import divide_by_temperature, log_softmax
 
         return log_softmax(divide_by_temperature(logits, temperatures))
     return torch.log_softmax(logits / temperatures[:, None].to(logits.dtype), dim=-1)
@@ -70,7 +70,7 @@ class RowSampler:
         import torch
 
         #: bitwise on-policy mode: the logprobs from the batch-invariant log-softmax
-        #: (`palaestra.engines.local.invariant`), the trainer's in the same mode
+        #: (`palaestra.engines.bitwise.invariant`), the trainer's in the same mode
         self.invariant = invariant
         greedy = [t < 1e-6 or k == 1 for t, k in zip(temperatures, top_ks)]
         self.vocab = vocab
@@ -132,7 +132,7 @@ class RowSampler:
 
         vocab = self.vocab
         if self.invariant:
-            from palaestra.engines.local.invariant import log_softmax as invariant_log_softmax
+            from palaestra.engines.bitwise.invariant import log_softmax as invariant_log_softmax
 
             if self.all_greedy:
                 tokens = logits.argmax(dim=-1)

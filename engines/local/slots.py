@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from palaestra.engines.bitwise.decoder_config import DecoderConfig
     from palaestra.engines.local.kv_cache import SlotKVCache
-    from palaestra.engines.local.model import DecoderConfig
     from palaestra.engines.local.prefix_cache import PrefixCache
     from palaestra.engines.local.request import LocalRequest
 

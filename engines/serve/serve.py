@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from palaestra.engines.serve.server_state import ServerState
     from palaestra.engines.local.local import LocalEngine
     from palaestra.engines.serve.serve_guard import ServeOptions
-    from palaestra.engines.clients.sglang import ServerProcess
+    from palaestra.engines.clients.server_process import ServerProcess
 
 
 @dataclass
@@ -147,7 +147,7 @@ def serve_process(model: str | Path, *, device: str | None = None, extra: Sequen
                   env: Mapping[str, str] | None = None,
                   log_path: str | Path | None = None) -> ServerProcess:
     """A ``palaestra serve`` process on a free loopback port (``await p.wait_ready(timeout)``)."""
-    from palaestra.engines.clients.sglang import ServerProcess
+    from palaestra.engines.clients.server_process import ServerProcess
     from palaestra.engines.weights.weight_transfer import free_port
 
     port = free_port()

@@ -184,7 +184,7 @@ def _param(loc: tuple[Any, ...], prefix: str) -> str:
     return out
 
 
-def parse(model: type[_Strict], body: Any, *, prefix: str = "") -> Any:
+def parse(model: type[_Strict], body: object, *, prefix: str = "") -> Any:
     """``model`` validated from a JSON body; `BadRequest` naming every bad field otherwise."""
     if not isinstance(body, dict):
         raise BadRequest(f"the request body{' ' + prefix if prefix else ''} must be a JSON "

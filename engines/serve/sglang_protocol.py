@@ -191,7 +191,7 @@ def _type_ok(value: Any, spec: FieldSpec) -> bool:
     return False
 
 
-def check_body(body: Any, fields: Mapping[str, FieldSpec], name: str) -> dict[str, Any]:
+def check_body(body: object, fields: Mapping[str, FieldSpec], name: str) -> dict[str, Any]:
     """Validate a JSON body against an io_struct field table; returns it as a dict.
 
     Raises `ConfigError` listing every problem (missing required fields, wrong JSON types).

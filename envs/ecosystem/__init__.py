@@ -10,53 +10,6 @@ Light to import: the SDKs (``mcp``, ``verifiers``, ``openenv-core``) load when a
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # the lazy exports for type checkers; at run time `__getattr__` loads them
-    from palaestra.envs.ecosystem.mcp_client import (
-        CallOutcome as CallOutcome,
-    )
-    from palaestra.envs.ecosystem.mcp_client import (
-        MCPConnection as MCPConnection,
-    )
-    from palaestra.envs.ecosystem.mcp_env import (
-        MCPEnv as MCPEnv,
-    )
-    from palaestra.envs.ecosystem.mcp_env import (
-        MCPEpisode as MCPEpisode,
-    )
-    from palaestra.envs.ecosystem.notes import (
-        NotesEnv as NotesEnv,
-    )
-    from palaestra.envs.ecosystem.openenv_env import (
-        OpenEnvEnv as OpenEnvEnv,
-    )
-    from palaestra.envs.ecosystem.server_process import (
-        ServerLimits as ServerLimits,
-    )
-    from palaestra.envs.ecosystem.verifiers_env import (
-        VerifiersEnv as VerifiersEnv,
-    )
-
-_LAZY = {
-    "MCPEnv": "palaestra.envs.ecosystem.mcp_env",
-    "MCPEpisode": "palaestra.envs.ecosystem.mcp_env",
-    "MCPConnection": "palaestra.envs.ecosystem.mcp_client",
-    "CallOutcome": "palaestra.envs.ecosystem.mcp_client",
-    "ServerLimits": "palaestra.envs.ecosystem.server_process",
-    "NotesEnv": "palaestra.envs.ecosystem.notes",
-    "VerifiersEnv": "palaestra.envs.ecosystem.verifiers_env",
-    "OpenEnvEnv": "palaestra.envs.ecosystem.openenv_env",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'palaestra.envs.ecosystem' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
 
 #: Adapters that need arguments (a server URL, an environment id): registered outside the
 #: ``palaestra/`` namespace, so the registry-wide checks (which build envs without arguments)
@@ -77,4 +30,4 @@ def register_ecosystem() -> None:
 
 register_ecosystem()  # as palaestra.envs registers its built-ins: make("module:id") imports us
 
-__all__ = ["ECOSYSTEM_ENVS", "CallOutcome", "MCPConnection", "MCPEnv", "MCPEpisode", "NotesEnv", "OpenEnvEnv", "ServerLimits", "VerifiersEnv", "register_ecosystem"]
+__all__ = ["ECOSYSTEM_ENVS", "register_ecosystem"]

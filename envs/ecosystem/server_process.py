@@ -119,7 +119,7 @@ def plan_launch(
 
 
 def _bwrap_prefix(argv: Sequence[str], limits: ServerLimits) -> list[str]:
-    from palaestra.sandbox import probe_isolation
+    from palaestra.sandbox.probe import probe_isolation
     from palaestra.sandbox.isolation import bwrap_argv, python_layout
 
     report = probe_isolation()

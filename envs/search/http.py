@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Sequence
-from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from palaestra.asyncio_utils import run_sync
@@ -36,7 +35,7 @@ def retrieve_url(url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
 
 
-def parse_response(payload: Any, n_queries: int) -> list[list[Hit]]:
+def parse_response(payload: object, n_queries: int) -> list[list[Hit]]:
     """Hits from a ``/retrieve`` response body; `RetrievalError` says what is malformed."""
     if not isinstance(payload, dict) or not isinstance(payload.get("result"), list):
         raise RetrievalError(

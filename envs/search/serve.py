@@ -43,7 +43,7 @@ def _type(value: Any) -> str:
     return f"{value!r:.40} ({names.get(type(value), type(value).__name__)})"
 
 
-def check_request(body: Any, default_topk: int) -> tuple[list[str], int, bool, list[str]]:
+def check_request(body: object, default_topk: int) -> tuple[list[str], int, bool, list[str]]:
     """``(queries, topk, return_scores, problems)`` of a ``/retrieve`` body; no coercion."""
     if not isinstance(body, dict):
         usage = '{"queries": [...], "topk": 3, "return_scores": true}'

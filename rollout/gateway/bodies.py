@@ -53,11 +53,11 @@ class FinishRequest:
     env_id: str = "gateway"
 
 
-def _body(body: Any, p: Problems) -> Mapping[str, Any]:
+def _body(body: object, p: Problems) -> Mapping[str, Any]:
     return check_object(body, "the body", p) or {}
 
 
-def parse_session(body: Any, *, max_metadata_bytes: int | None) -> SessionRequest:
+def parse_session(body: object, *, max_metadata_bytes: int | None) -> SessionRequest:
     p = Problems()
     data = _body(body, p)
     unknown_keys(data, ("session_id", "max_calls", "call_timeout_s", "metadata"), "the body", p)
@@ -80,7 +80,7 @@ def parse_session(body: Any, *, max_metadata_bytes: int | None) -> SessionReques
                           dict(metadata or {}))
 
 
-def parse_finish(body: Any, *, max_group_size: int | None) -> FinishRequest:
+def parse_finish(body: object, *, max_group_size: int | None) -> FinishRequest:
     p = Problems()
     data = _body(body, p)
     unknown_keys(data, ("reward", "group_id", "group_size", "task_id", "env_id"), "the body", p)
@@ -105,7 +105,7 @@ def parse_finish(body: Any, *, max_group_size: int | None) -> FinishRequest:
     return FinishRequest(reward, group_id, size, task_id, env_id)
 
 
-def parse_claim(body: Any) -> str:
+def parse_claim(body: object) -> str:
     p = Problems()
     data = _body(body, p)
     unknown_keys(data, ("group_id",), "the body", p)
@@ -119,7 +119,7 @@ def parse_claim(body: Any) -> str:
     return gid
 
 
-def parse_take(body: Any) -> int | None:
+def parse_take(body: object) -> int | None:
     p = Problems()
     data = _body(body, p)
     unknown_keys(data, ("max_groups",), "the body", p)

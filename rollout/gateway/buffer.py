@@ -117,7 +117,7 @@ class TrajectoryBuffer:
                           max_metadata_bytes=self.max_metadata_bytes,
                           max_group_size=self.max_group_size)
 
-    def add(self, payload: Any) -> dict[str, Any]:
+    def add(self, payload: object) -> dict[str, Any]:
         """Validate and store one ``POST /trajectories`` body (all of it or nothing)."""
         try:
             parsed = self.parse(payload)
@@ -126,7 +126,7 @@ class TrajectoryBuffer:
             raise
         return self.store(*parsed)
 
-    def parse(self, payload: Any) -> tuple[list[tuple[str, Trajectory]], int | None]:
+    def parse(self, payload: object) -> tuple[list[tuple[str, Trajectory]], int | None]:
         """Validate a post against the buffer's limits (pure; safe in a worker thread)."""
         return parse_post(payload, version=self.version, limits=self.limits)
 

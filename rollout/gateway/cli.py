@@ -77,7 +77,7 @@ async def _main(args: argparse.Namespace) -> None:
     from palaestra.errors import ConfigError
     from palaestra.engine import EngineUnavailableError, SamplingParams
     from palaestra.engines.clients.router import Router
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.rollout.gateway.auth import GatewayKeys
     from palaestra.rollout.gateway.buffer import TrajectoryBuffer
     from palaestra.rollout.gateway.engine_info import engine_context, resolve_max_context

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from palaestra.errors import RolloutError, TrajectoryValidationError
-from palaestra.rollout.gateway.validation import trajectory_to_wire
+from palaestra.rollout.gateway.wire import trajectory_to_wire
 from palaestra.rollout.groups import GroupResult
 from palaestra.types import Trajectory
 

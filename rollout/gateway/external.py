@@ -1,7 +1,7 @@
 """Posted trajectories as rollout groups: `BufferSource` and the external env.
 
 `BufferSource` is a data source for `RolloutManager` (the same ``next``/``exhausted``/
-``state_dict`` interface as `palaestra.rollout.DataSource`): every complete group of a
+``state_dict`` interface as `palaestra.rollout.data.DataSource`): every complete group of a
 `TrajectoryBuffer` becomes one task of the env ``palaestra-gateway/External-v0``, optionally
 ahead of the tasks of a regular source (``then=``), so posted groups and generated groups share
 batches. A rollout worker plays that task like any other; the env's kind

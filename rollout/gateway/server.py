@@ -32,8 +32,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,9 +40,11 @@ from palaestra.errors import ConfigError, TrajectoryValidationError
 from palaestra.rollout.gateway.auth import GatewayKeys
 from palaestra.rollout.gateway.bodies import parse_claim, parse_finish, parse_session, parse_take
 from palaestra.rollout.gateway.checks import RequestValidationError
-from palaestra.rollout.gateway.gateway import Completion, Gateway
+from palaestra.rollout.gateway.gateway import Gateway
+from palaestra.rollout.gateway.responses import completion_json, stream_completion
 from palaestra.rollout.gateway.session import STOP_REASONS, GatewayError
-from palaestra.rollout.gateway.validation import PostLimits, trajectory_to_wire, wire_groups
+from palaestra.rollout.gateway.validation import PostLimits
+from palaestra.rollout.gateway.wire import trajectory_to_wire, wire_groups
 from palaestra.types import StopReason
 
 if TYPE_CHECKING:
@@ -191,8 +191,8 @@ def build_app(gateway: Gateway | None, buffer: TrajectoryBuffer | None = None, *
         done = await gw.complete(session, body)
         model = body.get("model") or gw.model_name
         if body.get("stream"):
-            return await _stream(request, done, model, body)
-        return web.json_response(_completion_json(done, model, body, gw))
+            return await stream_completion(request, done, model, body)
+        return web.json_response(completion_json(done, model, body, gw))
 
     async def create_session(request: web.Request) -> web.Response:
         req = parse_session(await _json_body(request), max_metadata_bytes=meta_cap)
@@ -276,66 +276,6 @@ def build_app(gateway: Gateway | None, buffer: TrajectoryBuffer | None = None, *
     app.router.add_get("/trajectories", _errors(buffer_stats))
     app.router.add_get("/health", _errors(health))
     return app
-
-
-def _completion_json(done: Completion, model: str, body: dict[str, Any],
-                     gateway: Gateway) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "message": done.message, "logprobs": None,
-                              "finish_reason": done.finish_reason}
-    if body.get("logprobs"):
-        decode = gateway.chat.decode
-        choice["logprobs"] = {"content": [
-            {"token": decode([t]), "logprob": lp, "bytes": list(decode([t]).encode()),
-             "top_logprobs": []}
-            for t, lp in zip(done.token_ids, done.logprobs)]}
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
-        "created": int(time.time()), "model": model, "choices": [choice],
-        "usage": _usage(done),
-        "palaestra": {"sample": done.sample_index, "continued": done.continued},
-    }
-
-
-def _usage(done: Completion) -> dict[str, Any]:
-    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
-            "total_tokens": done.prompt_tokens + done.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": done.cached_tokens}}
-
-
-async def _stream(request: web.Request, done: Completion, model: str,
-                  body: dict[str, Any]) -> web.StreamResponse:
-    """The finished completion as OpenAI SSE chunks (role, content, tool calls, finish)."""
-    from aiohttp import web
-
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                       "Cache-Control": "no-cache"})
-    await resp.prepare(request)
-    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-    async def send(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> None:
-        chunk: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk",
-                                 "created": created, "model": model, "choices": choices}
-        if usage is not None:
-            chunk["usage"] = usage
-        await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-
-    def choice(delta: dict[str, Any], finish: str | None = None) -> list[dict[str, Any]]:
-        return [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-
-    message = done.message
-    await send(choice({"role": "assistant", "content": ""}))
-    if message.get("reasoning_content"):
-        await send(choice({"reasoning_content": message["reasoning_content"]}))
-    if message.get("content"):
-        await send(choice({"content": message["content"]}))
-    for i, call in enumerate(message.get("tool_calls") or ()):
-        await send(choice({"tool_calls": [{"index": i, **call}]}))
-    await send(choice({}, done.finish_reason))
-    if (body.get("stream_options") or {}).get("include_usage"):
-        await send([], _usage(done))
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
 
 
 @dataclass

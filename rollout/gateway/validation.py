@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +85,7 @@ class PostLimits:
     max_group_size: int | None = 1024
 
 
-def finite_number(value: Any, where: str) -> float:
+def finite_number(value: object, where: str) -> float:
     """``value`` as a float, or `TrajectoryValidationError` (booleans and strings refused)."""
     problems = Problems()
     out = check_number(value, where, problems)
@@ -94,7 +94,7 @@ def finite_number(value: Any, where: str) -> float:
     return out
 
 
-def _int_list(value: Any, where: str, p: Problems) -> list[int] | None:
+def _int_list(value: object, where: str, p: Problems) -> list[int] | None:
     if not isinstance(value, list):
         p.add(f"{where} must be a list of integers, got {describe(value)}")
         return None
@@ -333,7 +333,7 @@ def parse_trajectory(
     return out
 
 
-def _group_id(value: Any, where: str, p: Problems) -> str | None:
+def _group_id(value: object, where: str, p: Problems) -> str | None:
     if value is None:
         p.add(f"{where}.group_id is required: the id (a string) of the group (prompt) it "
               "belongs to")
@@ -342,7 +342,7 @@ def _group_id(value: Any, where: str, p: Problems) -> str | None:
 
 
 def parse_post(
-    payload: Any, *, vocab_size: int | None = None, version: int = 0,
+    payload: object, *, vocab_size: int | None = None, version: int = 0,
     max_tokens: int | None = None, limits: PostLimits | None = None,
 ) -> tuple[list[tuple[str, Trajectory]], int | None]:
     """``[(group_id, trajectory), ...]`` and the declared group size of a post.
@@ -384,33 +384,6 @@ def parse_post(
     return out, size
 
 
-def trajectory_to_wire(traj: Trajectory) -> dict[str, Any]:
-    """The JSON form `parse_trajectory` reads back (what `TrajectoryClient` posts)."""
-    return {
-        "group_id": traj.group_id,
-        "env_id": traj.env_id or "external",
-        "task_id": traj.task_id,
-        "reward": traj.reward,
-        "turn_rewards": list(traj.samples[0].turn_rewards) if traj.samples else [],
-        "stop_reason": traj.stop_reason.value,
-        "error": traj.error,
-        "messages": [m.to_dict() for m in traj.messages],
-        "metrics": dict(traj.metrics),
-        "samples": [
-            {"token_ids": list(s.token_ids_T), "loss_mask": list(s.loss_mask_T),
-             "logprobs": list(s.logprobs_T), "versions": list(s.versions_T),
-             "prompt_len": s.prompt_len, "turn_ends": list(s.turn_ends)}
-            for s in traj.samples
-        ],
-    }
-
-
-def wire_groups(groups: Sequence[Any]) -> list[dict[str, Any]]:
-    """``[{"group_id", "trajectories": [wire, ...]}]`` of `GroupResult`s (``/trajectories/take``)."""
-    return [{"group_id": g.group_id,
-             "trajectories": [trajectory_to_wire(t) for t in g.trajectories]} for g in groups]
-
-
 __all__ = [
     "POST_FIELDS",
     "SAMPLE_FIELDS",
@@ -422,6 +395,4 @@ __all__ = [
     "parse_post",
     "parse_sample",
     "parse_trajectory",
-    "trajectory_to_wire",
-    "wire_groups",
 ]

@@ -85,11 +85,11 @@ class JudgeSource:
 
         self._tokenizer = load_tokenizer(str(cfg.tokenizer or cfg.path))
         if cfg.engine == "local":
-            from palaestra.engines import LocalEngine
+            from palaestra.engines.local.local import LocalEngine
 
             self._engine = LocalEngine(cfg.path, device=cfg.device, max_running=cfg.batch_size)
         else:
-            from palaestra.engines import SGLangClient
+            from palaestra.engines.clients.sglang_client import SGLangClient
 
             self._engine = SGLangClient(str(cfg.url), retries=0)
 

@@ -115,6 +115,10 @@ class AdapterSettings(Protocol):
 
     @property
     def adapter_name(self) -> str: ...
+    @property
+    def export_merged(self) -> bool:
+        """Whether the run's end also exports the adapter merged into the base weights."""
+        ...
 
 
 @runtime_checkable

@@ -216,7 +216,7 @@ class Engine(TokenGenerator, Protocol):
 
 # ---------------------------------------------------------------------- capabilities
 # What an engine can do beyond `Engine`, checked once with ``isinstance`` where a run is built
-# (e.g. `palaestra.run.engine_sync.choose_push`), never probed with ``hasattr`` per call.
+# (e.g. `palaestra.run.fleet.weight_pushes.build_push`), never probed with ``hasattr`` per call.
 
 
 @runtime_checkable
@@ -248,13 +248,52 @@ class MemoryReleasing(Protocol):
     async def resume_memory(self, tags: Sequence[str] | None = None) -> None: ...
 
 
+@runtime_checkable
+class DeviceMemory(Protocol):
+    """Reports the device memory it holds in this process (the embedded engine: its KV cache
+    and the weights it keeps on the GPU), measured by a colocated run at each phase switch."""
+
+    def device_bytes(self) -> int: ...
+
+
+@runtime_checkable
+class EngineStats(Protocol):
+    """Counts its scheduler's work (seconds, steps, tokens since start), which a run logs per
+    step as ``engine/*`` (the embedded engine; servers report through their own endpoints)."""
+
+    @property
+    def stats(self) -> Mapping[str, float]: ...
+
+
+@runtime_checkable
+class UpdatesInPlace(Protocol):
+    """Applies ``update_weights`` between two decode steps while requests keep running (the
+    embedded engine): a rollout manager need not park in-flight episodes around a push, they
+    go on and record the version change in their tokens' spans."""
+
+    updates_in_place: bool
+
+
+@runtime_checkable
+class OnDevice(Protocol):
+    """Computes in this process on ``device`` in ``dtype`` (the embedded engine): a weight
+    push hands it tensors there."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+
 __all__ = [
     "AdapterHost",
     "AdapterServing",
+    "DeviceMemory",
     "Engine",
+    "EngineStats",
     "EngineUnavailableError",
     "Generation",
     "MemoryReleasing",
+    "OnDevice",
     "SamplingParams",
     "TokenGenerator",
+    "UpdatesInPlace",
 ]

@@ -8,6 +8,17 @@ import signal
 import subprocess
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (one of another user's counts: it exists)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def terminate_process_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     """SIGTERM the process group led by ``proc``, SIGKILL it after ``grace_s``; idempotent.
 

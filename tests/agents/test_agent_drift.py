@@ -185,13 +185,9 @@ async def test_pooled_agents_check_drift_at_the_configured_rate(tokenizer_dir):
     """Workers reuse agents across episodes; each episode is checked with probability
     ``drift_rate`` (drawn once, in `Agent.start`), not ``drift_rate**2``."""
     from palaestra.agents import AgentSpec
-    from palaestra.rollout import (
-        DataSource,
-        EngineSpec,
-        RolloutConfig,
-        RolloutManager,
-        WorkerConfig,
-    )
+    from palaestra.rollout.config import EngineSpec, RolloutConfig, WorkerConfig
+    from palaestra.rollout.data import DataSource
+    from palaestra.rollout.manager import RolloutManager
     from palaestra.engine import SamplingParams
     from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy

@@ -94,7 +94,7 @@ def trained_run(tmp_path_factory, model_dir):
 
     from palaestra.config import load_config
     from palaestra.run.config import TrainConfig
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("as-trained")

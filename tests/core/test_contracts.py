@@ -26,7 +26,7 @@ def test_the_engine_contract_has_one_home() -> None:
 
 def test_engines_and_envs_satisfy_their_protocols() -> None:
     from palaestra.envs import make
-    from palaestra.engines import ScriptedEngine
+    from palaestra.engines.clients.scripted import ScriptedEngine
 
     engine = ScriptedEngine([1, 2, 3])
     assert isinstance(engine, Engine)
@@ -43,7 +43,8 @@ def test_the_torch_backend_is_a_trainer_backend(tmp_path) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from palaestra.tiny_model import build_model
-    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     path = build_model(tmp_path / "micro", "micro")
     backend = TorchBackend(path, TorchBackendConfig(device="cpu"))

@@ -142,7 +142,7 @@ def test_scanner_sees_every_kind_of_import() -> None:
         "RUNNER = 'palaestra.rollout.episode:run_episode'\n"
         "MSG = 'see palaestra.envs for details'\n"
     )
-    found = imports_of(ast.parse(src), "run/loop.py")
+    found = imports_of(ast.parse(src), "run/train.py")
     modules = {(line, module, how) for line, module, how in found}
     assert (3, "palaestra.envs.base", "import") in modules
     assert (4, "palaestra.benchmarks.runner", "import") in modules

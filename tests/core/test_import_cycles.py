@@ -2,8 +2,10 @@
 
 A module graph is read with ast over every module of the package (core and each linked
 component): an edge for every ``import``/``from`` statement at any depth (inside functions too,
-since a lazy import is still a dependency that must be loaded in an order), except those under
-``if TYPE_CHECKING:`` (types only, never executed). ``from pkg import name`` is an edge to the
+since a lazy import is still a dependency that must be loaded in an order). The run-time graph
+leaves out those under ``if TYPE_CHECKING:`` (types only, never executed); the type-level graph
+keeps them, since two modules that name each other's types are one knot for a reader and a
+type checker all the same (`KNOWN_TYPE_CIRCLES` lists those still tolerated: none). ``from pkg import name`` is an edge to the
 module ``pkg.name`` when that is a module, else to ``pkg``. A cycle is a strongly connected set of
 two or more modules; the remedy is to move the shared piece down (a types module, a factory
 above its products), never a lazier import.
@@ -41,13 +43,19 @@ def _is_type_checking(node: ast.If) -> bool:
             or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"))
 
 
-def imported_modules(tree: ast.AST, module: str, is_package: bool, known: set[str]) -> set[str]:
-    """palaestra modules a module imports at run time (any depth; TYPE_CHECKING blocks skipped)."""
+#: type-level circles (TYPE_CHECKING imports included) still tolerated, each as its sorted modules
+KNOWN_TYPE_CIRCLES: list[list[str]] = []
+
+
+def imported_modules(tree: ast.AST, module: str, is_package: bool, known: set[str], *,
+                     types: bool = False) -> set[str]:
+    """palaestra modules a module imports at run time (any depth; TYPE_CHECKING blocks skipped
+    unless ``types``)."""
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child):
+            if not types and isinstance(child, ast.If) and _is_type_checking(child):
                 for other in child.orelse:
                     visit_node(other)
                 continue
@@ -72,11 +80,11 @@ def imported_modules(tree: ast.AST, module: str, is_package: bool, known: set[st
     return {m for m in found if m in known and m != module}
 
 
-def import_graph(paths: dict[str, Path]) -> dict[str, set[str]]:
+def import_graph(paths: dict[str, Path], *, types: bool = False) -> dict[str, set[str]]:
     known = set(paths)
     return {
         module: imported_modules(ast.parse(path.read_text(encoding="utf-8")), module,
-                                 path.name == "__init__.py", known)
+                                 path.name == "__init__.py", known, types=types)
         for module, path in paths.items()
     }
 
@@ -159,3 +167,11 @@ def test_there_are_no_import_cycles() -> None:
         "import cycles (function-level imports count; move the shared piece down instead of "
         "importing lazily):\n" + "\n".join(" <-> ".join(c) for c in found)
     )
+
+
+def test_no_type_level_circles_beyond_the_known() -> None:
+    found = cycles(import_graph(module_paths(), types=True))
+    assert sorted(found) == sorted(KNOWN_TYPE_CIRCLES), (
+        "type-level import circles (TYPE_CHECKING imports count; move the shared type down, or "
+        "take a protocol instead of the other module's class):\n"
+        + "\n".join(" <-> ".join(c) for c in found))

@@ -1,7 +1,7 @@
 """Bitwise on-policy mode: the engine's and the trainer's logprobs of the same tokens are equal
 bit for bit, whatever the batch around them.
 
-From the bottom up: the batch-invariant operations (`palaestra.engines.local.invariant`) give a
+From the bottom up: the batch-invariant operations (`palaestra.engines.bitwise.invariant`) give a
 row the same bits in calls of any size and at any thread count, where the default kernels do
 not (checked too, so the premise of this mode is tested, not assumed); the decoder's decode
 steps, prefill chunks and prefix-cache hits give the logits a whole-sequence forward gives; and
@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from palaestra.engines.local import invariant as inv
+from palaestra.engines.bitwise import invariant as inv
 
 pytestmark = pytest.mark.numerics  # bit-level invariance of the CPU engine and trainer paths
 
@@ -237,7 +237,7 @@ def engine_equals_trainer(model_dir: str, device: str) -> None:
 
 def test_bitwise_gradients_match_the_default_forward(model_dir):
     """Training through the bitwise forward follows the same gradient as the default one."""
-    from palaestra.trainers.batching import make_micro_batches
+    from palaestra.trainers.micro_batches import make_micro_batches
     from palaestra.trainers.torch_backend.backend import TorchBackend
     from palaestra.trainers.torch_backend.config import TorchBackendConfig
     from tests.trainers.test_torch_backend import make_batch

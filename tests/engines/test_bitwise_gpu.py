@@ -1,5 +1,5 @@
 """Bitwise on-policy mode on CUDA (bfloat16, the Triton GEMM and row sum of
-`palaestra.engines.local.invariant_triton`): the CPU tests of ``test_bitwise.py`` on the GPU, on
+`palaestra.engines.bitwise.invariant_triton`): the CPU tests of ``test_bitwise.py`` on the GPU, on
 the tiny model and on a wider one (four layers of 256). Skipped without CUDA; run on a GPU machine.
 """
 

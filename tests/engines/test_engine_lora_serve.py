@@ -16,7 +16,7 @@ from test_engine_lora import GREEDY, PROMPTS, assert_same, make_adapter
 from palaestra.errors import EngineError
 from palaestra.engines.local.local import LocalEngine
 from palaestra.engines.serve.serve import start_server
-from palaestra.engines.clients.sglang import SGLangClient
+from palaestra.engines.clients.sglang_client import SGLangClient
 
 
 @pytest.fixture(scope="module")

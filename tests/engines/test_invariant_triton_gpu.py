@@ -43,7 +43,7 @@ def _inputs(g: int, m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_rows_are_bitwise_invariant_to_the_batch_size(shape: tuple[int, int, int],
                                                       dtype: torch.dtype) -> None:
-    from palaestra.engines.local.invariant_triton import bmm_nt
+    from palaestra.engines.bitwise.invariant_triton import bmm_nt
 
     g, n, k = shape
     a, b = _inputs(g, BIG_M, n, k, dtype)
@@ -60,7 +60,7 @@ def test_rows_are_bitwise_invariant_to_the_batch_size(shape: tuple[int, int, int
 @pytest.mark.parametrize("k", [128, 1024])
 def test_matrices_are_bitwise_invariant_to_the_batch_of_matrices(k: int,
                                                                  dtype: torch.dtype) -> None:
-    from palaestra.engines.local.invariant_triton import bmm_nt
+    from palaestra.engines.bitwise.invariant_triton import bmm_nt
 
     g, m, n = 48, 37, 64
     a, b = _inputs(g, m, n, k, dtype, seed=1)
@@ -74,7 +74,7 @@ def test_matrices_are_bitwise_invariant_to_the_batch_of_matrices(k: int,
 @pytest.mark.parametrize("n", [3072, 151936])
 def test_an_expanded_weight_gives_the_bits_of_its_copy_and_of_one_flat_call(
         n: int, dtype: torch.dtype) -> None:
-    from palaestra.engines.local.invariant_triton import bmm_nt
+    from palaestra.engines.bitwise.invariant_triton import bmm_nt
 
     g, m, k = 4, 96, 1024
     a, w = _inputs(1, g * m, n, k, dtype, seed=2)
@@ -91,7 +91,7 @@ def test_an_expanded_weight_gives_the_bits_of_its_copy_and_of_one_flat_call(
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_accuracy_against_torch_matmul_in_float32(shape: tuple[int, int, int],
                                                   dtype: torch.dtype) -> None:
-    from palaestra.engines.local.invariant_triton import bmm_nt
+    from palaestra.engines.bitwise.invariant_triton import bmm_nt
 
     g, n, k = shape
     a, b = _inputs(g, 300, n, k, dtype, seed=3)
@@ -113,7 +113,7 @@ def test_accuracy_against_torch_matmul_in_float32(shape: tuple[int, int, int],
 
 def test_float32_ignores_the_tf32_switch() -> None:
     """IEEE float32 dots: the bits are the same with TF32 allowed or not."""
-    from palaestra.engines.local.invariant_triton import bmm_nt
+    from palaestra.engines.bitwise.invariant_triton import bmm_nt
 
     a, b = _inputs(1, 64, 3072, 1024, torch.float32, seed=4)
     tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -129,7 +129,7 @@ def test_float32_ignores_the_tf32_switch() -> None:
 
 @pytest.mark.parametrize("n", [1024, 151936])
 def test_row_sum_is_bitwise_invariant_and_accurate(n: int) -> None:
-    from palaestra.engines.local.invariant_triton import row_sum
+    from palaestra.engines.bitwise.invariant_triton import row_sum
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     x = torch.randn(BIG_M, n, device="cuda", generator=gen)
@@ -146,7 +146,7 @@ def test_forward_launches_no_cublas_kernel() -> None:
     """The forward runs the Triton kernel only: no aten matmul op, no cuBLAS/CUTLASS kernel."""
     from torch.profiler import ProfilerActivity, profile
 
-    from palaestra.engines.local.invariant_triton import bmm_nt, row_sum
+    from palaestra.engines.bitwise.invariant_triton import bmm_nt, row_sum
 
     a, b = _inputs(1, 100, 3072, 1024, torch.bfloat16, seed=6)
     a32, b32 = _inputs(4, 100, 64, 128, torch.float32, seed=7)
@@ -169,7 +169,7 @@ def test_forward_launches_no_cublas_kernel() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gradients_on_cuda_match_float64_autograd(dtype: torch.dtype) -> None:
-    from palaestra.engines.local.invariant_triton import bmm_nt, row_sum
+    from palaestra.engines.bitwise.invariant_triton import bmm_nt, row_sum
 
     a, w = _inputs(1, 3 * 40, 512, 256, dtype, seed=8)
     a = a.view(3, 40, 256).requires_grad_()
@@ -194,7 +194,7 @@ def test_gradients_on_cuda_match_float64_autograd(dtype: torch.dtype) -> None:
 def test_an_expanded_lm_head_backward_does_not_copy_the_weight_per_block() -> None:
     """4,096 rows in blocks of 32 against the 151,936-row lm_head (how `invariant.linear` calls
     it): the weight's gradient is one GEMM, not 128 per-block copies (80 GB in float32)."""
-    from palaestra.engines.local.invariant_triton import bmm_nt
+    from palaestra.engines.bitwise.invariant_triton import bmm_nt
 
     gen = torch.Generator(device="cuda").manual_seed(9)
     w = (torch.randn(151936, 1024, device="cuda", generator=gen) / 32).bfloat16()

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent(
     import json
     import torch
     torch.set_num_threads(1)
-    from palaestra.engines.local.invariant_triton import bmm_nt, row_sum
+    from palaestra.engines.bitwise.invariant_triton import bmm_nt, row_sum
 
     gen = torch.Generator().manual_seed(0)
     DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -239,7 +239,7 @@ def test_gradients_match_autograd_of_the_plain_formula(interpreted: dict) -> Non
 
 def test_module_imports_without_triton_and_refuses_cpu() -> None:
     """No import-time dependency on triton (the CPU path must not need it)."""
-    code = ("import sys; import palaestra.engines.local.invariant_triton as m; "
+    code = ("import sys; import palaestra.engines.bitwise.invariant_triton as m; "
             "assert 'triton' not in sys.modules; assert not m.available('cpu'); print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=False)

@@ -71,7 +71,7 @@ async def _greedy_of(model: Path, weights: dict[str, torch.Tensor]) -> Any:
 
 
 async def test_ipc_buckets_reach_a_real_server_exactly(model: Path, server: str) -> None:
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.engines.weights.weight_transfer import IpcWeightSender, bucketize
 
     weights = _new_weights(model, seed=11)
@@ -99,7 +99,7 @@ async def test_ipc_buckets_reach_a_real_server_exactly(model: Path, server: str)
 
 async def test_sglang_client_tensor_format_sglang_speaks_the_same_handles(model: Path,
                                                                           server: str) -> None:
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
     weights = _new_weights(model, seed=12)
     client = SGLangClient(server, retries=0, tensor_format="sglang")
@@ -162,7 +162,7 @@ def _fd_payload() -> str:
 ])
 async def test_bad_payloads_are_refused_by_the_server(server: str, payload: str,
                                                       message: str) -> None:
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
     client = SGLangClient(server, retries=0)
     try:
@@ -174,7 +174,7 @@ async def test_bad_payloads_are_refused_by_the_server(server: str, payload: str,
 
 
 async def test_file_descriptor_payload_is_refused_with_the_fix(server: str) -> None:
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
     client = SGLangClient(server, retries=0)
     try:
@@ -186,10 +186,11 @@ async def test_file_descriptor_payload_is_refused_with_the_fix(server: str) -> N
 
 async def test_servers_elsewhere_and_bad_config_are_refused() -> None:
     from palaestra.config import validate
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.engines.weights.weight_transfer import IpcWeightSender, on_this_host
-    from palaestra.run.config import IpcSync, TrainConfig
-    from palaestra.run.engine_sync import resolve_method
+    from palaestra.run.config import TrainConfig
+    from palaestra.run.fleet.sync_settings import IpcSync
+    from palaestra.run.fleet.engine_sync import resolve_method
 
     assert on_this_host("http://127.0.0.1:30000") and on_this_host("http://localhost:1")
     assert not on_this_host("http://192.0.2.7:30000")  # TEST-NET-1: never this machine
@@ -220,7 +221,8 @@ async def test_engine_sync_ipc_from_a_torch_backend(model: Path, server: str,
     from palaestra.engines.clients.sglang import SGLangEngine
     from palaestra.engines.weights.weight_transfer import IpcWeightSender
     from palaestra.run.config import TrainConfig
-    from palaestra.run.engine_sync import EngineSync
+    from palaestra.run.fleet.engine_sync import EngineSync
+    from palaestra.run.fleet.weight_pushes import build_push
     from palaestra.trainers.torch_backend.backend import TorchBackend
     from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
@@ -238,8 +240,9 @@ async def test_engine_sync_ipc_from_a_torch_backend(model: Path, server: str,
         assert sync.method == "ipc" and isinstance(sync.sender, IpcWeightSender)
         assert sync.bucket_bytes == 1 << 20
         sync.bucket_bytes = 32 << 10  # the micro model is ~130 KB: several buckets
-        stats = await sync.push_now(backend, version=31)
-        assert stats.num_buckets > 1 and sync.metrics()["sync/unflushed_servers"] == 0.0
+        push = build_push(sync, backend)
+        stats = await push.push(31)
+        assert stats.num_buckets > 1 and push.metrics()["sync/unflushed_servers"] == 0.0
         want = backend.state_dict_for_engines(device="cpu")
         client = engine.clients[0]
         assert (await client.get_model_info())["weight_version"] == "31"

@@ -51,7 +51,7 @@ async def test_ipc_push_to_a_colocated_server(tmp_path: Path) -> None:
     from palaestra.benchmarks.perf.weight_sync import build_checkpoint
     from palaestra.engines.local.local import LocalEngine
     from palaestra.engines.serve.serve import serve_process
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.engines.weights.weight_transfer import IpcWeightSender, bucketize
 
     model = build_checkpoint("0.6b", tmp_path / "model")

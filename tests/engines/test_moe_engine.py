@@ -13,9 +13,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from palaestra.engine import SamplingParams
+from palaestra.engines.bitwise.decoder_config import MoEConfig
 from palaestra.engines.local.local import LocalEngine
 from palaestra.engines.local.model import Decoder
-from palaestra.engines.local.moe import NO_EXPERT, MoEConfig
+from palaestra.engines.local.moe import NO_EXPERT
 
 pytestmark = pytest.mark.numerics  # MoE engine logprobs against the HF forward
 
@@ -170,8 +171,8 @@ async def test_server_returns_sglang_routed_experts(moe_tiny_dir: str, model_dir
     """Our /generate speaks SGLang's return_routed_experts; SGLangClient decodes it."""
     import aiohttp
 
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.engines.serve.serve import start_server
-    from palaestra.engines.clients.sglang import SGLangClient
 
     engine = LocalEngine(moe_tiny_dir, device="cpu")
     server = await start_server(engine)

@@ -11,7 +11,7 @@ from palaestra.engine import EngineUnavailableError, SamplingParams
 from palaestra.engines.local.local import LocalEngine
 from palaestra.engines.clients.router import Router
 from palaestra.engines.serve.serve import start_server
-from palaestra.engines.clients.sglang import SGLangClient
+from palaestra.engines.clients.sglang_client import SGLangClient
 
 from engine_testing import prompts
 

@@ -16,7 +16,7 @@ from palaestra.engines.serve import sglang_protocol as sp
 from palaestra.engine import Engine, SamplingParams
 from palaestra.engines.local.local import LocalEngine
 from palaestra.engines.serve.serve import start_server
-from palaestra.engines.clients.sglang import SGLangClient
+from palaestra.engines.clients.sglang_client import SGLangClient
 
 from engine_testing import ForcedTokens, prompts
 

@@ -12,14 +12,14 @@ import pytest
 from palaestra.errors import ConfigError, EngineError, MissingExtraError
 from palaestra.engine import EngineUnavailableError, SamplingParams
 from palaestra.engines.serve.serve import serve_argv
-from palaestra.engines.clients.sglang import (
+from palaestra.engines.clients.server_process import (
     ServerProcess,
-    SGLangClient,
-    SGLangEngine,
     SGLangServerConfig,
     gpu_groups,
     wait_all_ready,
 )
+from palaestra.engines.clients.sglang import SGLangEngine
+from palaestra.engines.clients.sglang_client import SGLangClient
 from palaestra.engines.weights.weight_transfer import free_port
 
 

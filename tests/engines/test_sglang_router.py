@@ -26,7 +26,7 @@ SERVE_ARGS = ("--threads", "1", "--max-running", "64")
 
 
 async def _workers(model_dir: str, n: int, log_dir) -> list:
-    from palaestra.engines.clients.sglang import wait_all_ready
+    from palaestra.engines.clients.server_process import wait_all_ready
     from palaestra.engines.serve.serve import serve_process
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -68,7 +68,7 @@ async def _served(engine) -> dict[str, float]:
 async def test_router_registers_workers_and_runs_episodes(routed, model_dir: str) -> None:
     from palaestra.agents import make_agent
     from palaestra.envs import make
-    from palaestra.rollout import run_episode
+    from palaestra.rollout.play import run_episode
 
     router = routed._target.router
     workers = await router.workers()
@@ -134,7 +134,8 @@ async def test_weight_updates_and_flush_reach_every_worker(routed, other_weights
 @pytest.mark.slow
 async def test_workers_join_and_leave_while_requests_are_in_flight(model_dir: str,
                                                                    tmp_path) -> None:
-    from palaestra.engines.clients.sglang import SGLangClient, SGLangEngine
+    from palaestra.engines.clients.sglang import SGLangEngine
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
     procs = await _workers(model_dir, 3, tmp_path)
     first, second, third = procs
@@ -219,7 +220,7 @@ async def test_router_refused_without_the_wheel_or_on_the_embedded_engine(monkey
     from palaestra.errors import ConfigError
     from palaestra.run.config import TrainConfig
     from palaestra.run.config_checks import launch_problems
-    from palaestra.run.router_choice import router_problems
+    from palaestra.run.fleet.router import router_problems
 
     cfg = TrainConfig.model_validate({"engine": {"kind": "sglang", "router": "sglang",
                                                  "urls": ["http://127.0.0.1:9"]},

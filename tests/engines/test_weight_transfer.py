@@ -20,13 +20,9 @@ from palaestra.errors import ConfigError, EngineError
 from palaestra.engine import SamplingParams
 from palaestra.engines.local.local import LocalEngine
 from palaestra.engines.serve.serve import serve_process
-from palaestra.engines.clients.sglang import SGLangClient
-from palaestra.engines.weights.weight_transfer import (
-    DiskWeightSender,
-    DistributedWeightSender,
-    bucketize,
-    free_port,
-)
+from palaestra.engines.clients.sglang_client import SGLangClient
+from palaestra.engines.weights.disk_sender import DiskWeightSender
+from palaestra.engines.weights.weight_transfer import DistributedWeightSender, bucketize, free_port
 
 PROMPT = [3, 17, 29, 41, 5, 8]
 

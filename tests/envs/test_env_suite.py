@@ -8,7 +8,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 from palaestra.envs import BUILTIN_ENVS, make
-from palaestra.envs.games import BLACKJACK_MOVES, CLIFF_MOVES, FROZEN_LAKE_MOVES, TAXI_MOVES
+from palaestra.envs.toy_text import BLACKJACK_MOVES, CLIFF_MOVES, FROZEN_LAKE_MOVES, TAXI_MOVES
 from palaestra.envs.math import gsm8k_gold
 from palaestra.envs.search import shared_bm25
 from palaestra.types import Message, ToolCall

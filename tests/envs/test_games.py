@@ -7,14 +7,8 @@ import numpy as np
 import pytest
 
 from palaestra.envs import make, wrap_gymnasium
-from palaestra.envs.games import (
-    BLACKJACK_MOVES,
-    CLIFF_MOVES,
-    FROZEN_LAKE_MOVES,
-    TAXI_MOVES,
-    TextGameEnv,
-    action_parser,
-)
+from palaestra.envs.games import TextGameEnv, action_parser
+from palaestra.envs.toy_text import BLACKJACK_MOVES, CLIFF_MOVES, FROZEN_LAKE_MOVES, TAXI_MOVES
 from palaestra.errors import ConfigError
 
 MOVES = {

@@ -86,7 +86,7 @@ class NotesPolicy:
 
 async def test_notes_episode_through_the_rollout_path(tokenizer_dir):
     from palaestra.agents import make_agent
-    from palaestra.rollout import run_episode
+    from palaestra.rollout.play import run_episode
     from palaestra.engine import SamplingParams
     from palaestra.engines.clients.scripted import ScriptedEngine
 
@@ -153,7 +153,7 @@ def test_tool_errors_state_per_episode_and_close():
 
 async def test_crashing_server_is_a_failed_episode_with_its_error(tokenizer_dir):
     from palaestra.agents import make_agent
-    from palaestra.rollout import run_episode
+    from palaestra.rollout.play import run_episode
     from palaestra.engine import SamplingParams
     from palaestra.engines.clients.scripted import ScriptedEngine
 
@@ -217,7 +217,7 @@ server.run()
 @pytest.mark.parametrize("sandbox", [True, False])
 def test_sandboxed_server_sees_no_network_no_secrets_and_cannot_write(tmp_path, monkeypatch,
                                                                       sandbox):
-    from palaestra.sandbox import probe_isolation
+    from palaestra.sandbox.probe import probe_isolation
 
     if sandbox and not probe_isolation().bwrap:
         pytest.skip("bubblewrap does not work here")
@@ -301,7 +301,7 @@ def test_short_grpo_run_on_a_real_mcp_server(tmp_path, tokenizer_dir, monkeypatc
     (the task's setup call), and its reward is read back from that server."""
     from palaestra.config import load_config
     from palaestra.run.config import TrainConfig
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     (tmp_path / "mcp_train_reward.py").write_text(TRAIN_REWARD)
     monkeypatch.syspath_prepend(str(tmp_path))

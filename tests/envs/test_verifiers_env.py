@@ -75,7 +75,7 @@ def test_seeds_rows_and_checks(env):
 
 async def test_through_the_rollout_path(tmp_path):
     from palaestra.agents import make_agent
-    from palaestra.rollout import run_episode
+    from palaestra.rollout.play import run_episode
     from palaestra.engine import SamplingParams
     from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.tiny_model import build_model
@@ -282,7 +282,7 @@ def test_short_grpo_run_on_a_verifiers_toolset_taskset(tmp_path, monkeypatch):
     from palaestra.config import load_config
     from palaestra.tiny_model import build_model
     from palaestra.run.config import TrainConfig
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     torch.set_num_threads(1)
     model = build_model(tmp_path / "model", "micro")

@@ -106,7 +106,8 @@ def steer():
 async def served(engine, tokenizer):
     """A gateway over a recording engine, served on 127.0.0.1: (gateway, server, recorder)."""
     from palaestra.engine import SamplingParams
-    from palaestra.rollout.gateway import Gateway, serve_gateway
+    from palaestra.rollout.gateway.gateway import Gateway
+    from palaestra.rollout.gateway.server import serve_gateway
 
     rec = Recording(engine)
     gateway = Gateway(rec, tokenizer, "qwen", max_context=1024,

@@ -17,7 +17,7 @@ from palaestra.envs.external_agent import ExternalAgentEnv
 from palaestra.errors import ConfigError
 from palaestra.engine import SamplingParams
 from palaestra.rollout.play import run_episode
-from palaestra.rollout.gateway import close_gateways, gateway_for
+from palaestra.rollout.gateway.agent_episode import close_gateways, gateway_for
 from palaestra.types import StopReason
 
 TASK = {"id": "t1", "question": "What is 2 + 3?", "answer": "5"}

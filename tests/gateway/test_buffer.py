@@ -11,7 +11,9 @@ import aiohttp
 import pytest
 
 from palaestra.errors import TrajectoryValidationError
-from palaestra.rollout.gateway import TrajectoryBuffer, TrajectoryClient, serve_gateway
+from palaestra.rollout.gateway.buffer import TrajectoryBuffer
+from palaestra.rollout.gateway.client import TrajectoryClient
+from palaestra.rollout.gateway.server import serve_gateway
 from palaestra.rollout.gateway.batches import samples_of_groups
 
 VOCAB = 1024
@@ -161,9 +163,11 @@ async def test_a_posted_trajectory_is_trained_on(model_dir, tokenizer):
     towards the rewarded completion."""
     import torch
 
-    from palaestra.trainers.algorithms import LossConfig, compute_advantages
+    from palaestra.trainers.algorithms.config import LossConfig
+    from palaestra.trainers.algorithms.estimators import compute_advantages
     from palaestra.trainers.batching import TrainBatch
-    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     torch.set_num_threads(1)
     backend = TorchBackend(model_dir, TorchBackendConfig(device="cpu", lr=3e-2, seed=0))
@@ -201,7 +205,7 @@ async def test_a_posted_trajectory_is_trained_on(model_dir, tokenizer):
 
 async def test_a_finished_gateway_session_lands_in_the_buffer(engine, tokenizer):
     from palaestra.engine import SamplingParams
-    from palaestra.rollout.gateway import Gateway
+    from palaestra.rollout.gateway.gateway import Gateway
 
     gateway = Gateway(engine, tokenizer, sampling=SamplingParams(max_new_tokens=6, seed=1))
     buffer = TrajectoryBuffer(vocab_size=len(tokenizer))

@@ -201,8 +201,8 @@ async def test_an_engine_refusal_for_length_is_context_length_exceeded(engine_ur
     """A gateway told a larger context than the engine's (an engine restarted smaller): the
     engine's 400 becomes ``context_length_exceeded`` and a truncated episode, not a 502."""
     from palaestra.engines.clients.router import Router
-    from palaestra.engines.clients.sglang import SGLangClient
-    from palaestra.rollout.gateway import Gateway
+    from palaestra.engines.clients.sglang_client import SGLangClient
+    from palaestra.rollout.gateway.gateway import Gateway
     from palaestra.rollout.gateway.engine_info import engine_context
     from palaestra.rollout.gateway.session import GatewayError
 

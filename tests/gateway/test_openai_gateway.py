@@ -10,7 +10,8 @@ import openai
 import pytest
 
 from palaestra.engine import SamplingParams
-from palaestra.rollout.gateway import Gateway, serve_gateway
+from palaestra.rollout.gateway.gateway import Gateway
+from palaestra.rollout.gateway.server import serve_gateway
 from palaestra.types import Message
 
 SYSTEM = {"role": "system", "content": "You are terse."}

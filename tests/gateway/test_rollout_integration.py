@@ -10,15 +10,15 @@ import pytest
 
 from palaestra.agents import AgentSpec
 from palaestra.envs.registry import register
-from palaestra.rollout import DataSource, EngineSpec, RolloutConfig, RolloutManager, WorkerConfig
+from palaestra.rollout.config import EngineSpec, RolloutConfig, WorkerConfig
+from palaestra.rollout.data import DataSource
+from palaestra.rollout.manager import RolloutManager
 from palaestra.engine import SamplingParams
-from palaestra.rollout.gateway import (
-    BufferSource,
-    TrajectoryBuffer,
-    TrajectoryClient,
-    close_gateways,
-    serve_gateway,
-)
+from palaestra.rollout.gateway.agent_episode import close_gateways
+from palaestra.rollout.gateway.buffer import TrajectoryBuffer
+from palaestra.rollout.gateway.client import TrajectoryClient
+from palaestra.rollout.gateway.external import BufferSource
+from palaestra.rollout.gateway.server import serve_gateway
 
 ENV_ID = "palaestra-test/GatewayAgent-v0"
 
@@ -105,7 +105,8 @@ async def test_posted_groups_join_batches_with_generated_groups(manager_factory,
 
 
 async def test_the_evaluation_harness_plays_agent_envs(model_dir, engine, tokenizer):
-    from palaestra.benchmarks import Benchmark, EvalSettings, evaluate
+    from palaestra.benchmarks import Benchmark
+    from palaestra.benchmarks.runner import EvalSettings, evaluate
     from palaestra.benchmarks.policies import TokenPolicy
 
     bench = Benchmark(name="gateway-agent", env_id=ENV_ID, dataset=lambda: rows(2), answer=None,

@@ -37,7 +37,7 @@ def ray_pool(ray_cluster, tokenizer_dir):
     reused for evaluation."""
     from rollout_helpers import worker_config
 
-    from palaestra.rollout import WorkerPool
+    from palaestra.rollout.cluster import WorkerPool
 
     pool = WorkerPool(worker_config(tokenizer_dir), 2, cluster="ray", num_cpus=0.5)
     asyncio.run(pool.start())

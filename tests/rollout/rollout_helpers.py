@@ -17,7 +17,7 @@ def calc_rows(n: int, env_id: str = "palaestra/Calculator-v0") -> list[dict]:
 def worker_config(tokenizer_dir: str, *, p_correct: float = 0.5, latency_s: float = 0.0,
                   **kwargs):
     from palaestra.agents import AgentSpec
-    from palaestra.rollout import EngineSpec, WorkerConfig
+    from palaestra.rollout.config import EngineSpec, WorkerConfig
     from palaestra.engine import SamplingParams
     from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from palaestra.errors import ConfigError
+from palaestra.rollout.groups import Branching
 from palaestra.rollout.branching import (
-    Branching,
     TreeHooks,
     TreeRequest,
     expected_generated_ratio,
@@ -25,7 +25,7 @@ TASK = {"id": "t7", "question": "What is 17 + 25?", "answer": "42"}
 
 def _worker_config(tokenizer_dir: str, n_calls: int = 2) -> Any:
     from palaestra.agents import AgentSpec
-    from palaestra.rollout import EngineSpec, WorkerConfig
+    from palaestra.rollout.config import EngineSpec, WorkerConfig
     from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from palaestra.rollout.branching import Branching, TreeHooks, TreeRequest, play_branching_group
+from palaestra.rollout.branching import TreeHooks, TreeRequest, play_branching_group
+from palaestra.rollout.groups import Branching
 from palaestra.engine import SamplingParams
 from palaestra.rollout.episode import EpisodeState
 from palaestra.rollout.play import run_episode

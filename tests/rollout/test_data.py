@@ -7,7 +7,7 @@ import json
 import pytest
 
 from palaestra.errors import CheckpointError, ConfigError
-from palaestra.rollout import DataSource, load_rows
+from palaestra.rollout.data import DataSource, load_rows
 
 ROWS = [{"env_id": "palaestra/Calculator-v0", "id": f"r{i}", "question": f"q{i}", "answer": str(i)}
         for i in range(10)]

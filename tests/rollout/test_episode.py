@@ -11,7 +11,8 @@ import pytest
 
 from palaestra.agents import make_agent
 from palaestra.envs import make
-from palaestra.rollout import EpisodeState, run_episode
+from palaestra.rollout.episode import EpisodeState
+from palaestra.rollout.play import run_episode
 from palaestra.engine import SamplingParams
 from palaestra.engines.clients.scripted import ScriptedEngine, scripted_logprob
 from palaestra.rollout.testing import FLAKY_ENTRY, CalculatorPolicy

@@ -97,7 +97,7 @@ def pickle_keys(env):
 
 
 def test_the_tool_cache_refuses_an_env_without_tools(tmp_path):
-    from palaestra.envs.games import FrozenLakeTextEnv
+    from palaestra.envs.toy_text import FrozenLakeTextEnv
     from palaestra.errors import ConfigError
     from palaestra.rollout.tool_cache import ToolCache
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from palaestra.errors import ConfigError
-from palaestra.rollout import judge_group
+from palaestra.rollout.groups import judge_group
 from palaestra.rollout.groups import resolve_filters
 from palaestra.types import Sample, StopReason, Trajectory
 

@@ -45,7 +45,7 @@ asyncio.run(main())
 
 def worker_config(tokenizer_dir: str) -> Any:
     from palaestra.agents import AgentSpec
-    from palaestra.rollout import EngineSpec, WorkerConfig
+    from palaestra.rollout.config import EngineSpec, WorkerConfig
     from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy
 

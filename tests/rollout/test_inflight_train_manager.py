@@ -12,7 +12,9 @@ import pickle
 import pytest
 from rollout_helpers import calc_rows
 
-from palaestra.rollout import DataSource, RolloutConfig, RolloutManager
+from palaestra.rollout.config import RolloutConfig
+from palaestra.rollout.data import DataSource
+from palaestra.rollout.manager import RolloutManager
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -21,7 +23,7 @@ def _wc(tokenizer_dir: str):
     import functools
 
     from palaestra.agents import AgentSpec
-    from palaestra.rollout import EngineSpec, WorkerConfig
+    from palaestra.rollout.config import EngineSpec, WorkerConfig
     from palaestra.engine import SamplingParams
     from palaestra.engines.clients.scripted import ScriptedEngine
     from palaestra.rollout.testing import CalculatorPolicy

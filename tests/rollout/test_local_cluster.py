@@ -8,7 +8,9 @@ from rollout_helpers import calc_rows
 
 from palaestra.agents import AgentSpec
 from palaestra.errors import ConfigError
-from palaestra.rollout import DataSource, EngineSpec, RolloutConfig, RolloutManager, WorkerConfig
+from palaestra.rollout.config import EngineSpec, RolloutConfig, WorkerConfig
+from palaestra.rollout.data import DataSource
+from palaestra.rollout.manager import RolloutManager
 from palaestra.engine import SamplingParams
 from palaestra.engines.clients.scripted import ScriptedEngine
 from palaestra.rollout.testing import CalculatorPolicy

@@ -10,7 +10,9 @@ import pytest
 from rollout_helpers import calc_rows, worker_config
 
 from palaestra.errors import RolloutError
-from palaestra.rollout import DataSource, RolloutConfig, RolloutManager
+from palaestra.rollout.config import RolloutConfig
+from palaestra.rollout.data import DataSource
+from palaestra.rollout.manager import RolloutManager
 from palaestra.engines.clients.scripted import scripted_logprob
 from palaestra.rollout.testing import FLAKY_ENTRY, CalculatorPolicy
 from palaestra.types import StopReason
@@ -239,7 +241,7 @@ def _batches(pool, tokenizer_dir, *, exact, steps=3, **cfg):
 async def test_exact_batches_do_not_depend_on_timing_or_workers(ray_pool, tokenizer_dir):
     """Two Ray workers with a slow engine vs one in-process worker with an instant one: the
     episodes finish in other orders, the batches are the same, sample for sample."""
-    from palaestra.rollout import WorkerPool
+    from palaestra.rollout.cluster import WorkerPool
 
     slow = await _batches(ray_pool, tokenizer_dir, exact=True,
                           wc=worker_config(tokenizer_dir, latency_s=0.02))

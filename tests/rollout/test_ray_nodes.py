@@ -187,7 +187,7 @@ def test_rollout_survives_losing_a_node(nodes, tmp_path):
 TRAINER = r'''
 import json, sys, time, ray, torch
 from pathlib import Path
-from palaestra.run.placement import PlacementSection, plan_run
+from palaestra.run.fleet.placement import PlacementSection, plan_run
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.batching import TrainBatch
 from palaestra.trainers.group.group import TrainerGroup, TrainerRankLost

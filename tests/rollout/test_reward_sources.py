@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 from rollout_helpers import calc_rows, worker_config
 
-from palaestra.rollout import DataSource, RolloutConfig, RolloutManager
+from palaestra.rollout.config import RolloutConfig
+from palaestra.rollout.data import DataSource
+from palaestra.rollout.manager import RolloutManager
 from palaestra.rollout.rewards import (
     RewardClient,
     RewardError,
@@ -302,7 +304,7 @@ async def test_judge_over_palaestra_serve_native_api(model_dir):
     the reply decoded and parsed: greedy, so it is exactly what the engine itself generates for
     that prompt (the micro model writes no score, so the failure quotes that reply)."""
     from palaestra.agents import load_tokenizer
-    from palaestra.engines import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
     from palaestra.engine import SamplingParams
     from palaestra.engines.serve.serve import start_server
 

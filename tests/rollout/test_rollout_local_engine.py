@@ -18,7 +18,9 @@ from rollout_helpers import calc_rows
 pytestmark = pytest.mark.timeout(600)
 
 from palaestra.agents import AgentSpec
-from palaestra.rollout import DataSource, EngineSpec, RolloutConfig, RolloutManager, WorkerConfig
+from palaestra.rollout.config import EngineSpec, RolloutConfig, WorkerConfig
+from palaestra.rollout.data import DataSource
+from palaestra.rollout.manager import RolloutManager
 from palaestra.engine import SamplingParams
 from palaestra.engines.serve.serve import serve_argv
 

@@ -14,7 +14,11 @@ from rollout_helpers import calc_rows, worker_config
 from palaestra.agents import make_agent
 from palaestra.envs import make
 from palaestra.errors import ConfigError
-from palaestra.rollout import DataSource, RolloutConfig, RolloutManager, ToolCache, run_episode
+from palaestra.rollout.config import RolloutConfig
+from palaestra.rollout.data import DataSource
+from palaestra.rollout.manager import RolloutManager
+from palaestra.rollout.play import run_episode
+from palaestra.rollout.tool_cache import ToolCache
 from palaestra.engine import SamplingParams
 from palaestra.engines.clients.scripted import ScriptedEngine
 from palaestra.rollout.testing import CalculatorPolicy

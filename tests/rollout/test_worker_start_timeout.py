@@ -19,7 +19,7 @@ pytest.importorskip("ray")
 def test_workers_left_pending_fail_the_pool_with_the_numbers(ray_cluster, tokenizer_dir) -> None:
     from rollout_helpers import worker_config
 
-    from palaestra.rollout import WorkerPool
+    from palaestra.rollout.cluster import WorkerPool
 
     pool = WorkerPool(worker_config(tokenizer_dir), 3, cluster="ray", num_cpus=1.0,
                       start_timeout_s=8.0)

@@ -61,7 +61,7 @@ num_tasks = 0
 def test_bitwise_run_has_zero_logprob_gap_every_step(tmp_path, micro_model, yes_env):
     from safetensors.torch import load_file
 
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     long_env = yes_env.replace("Yes-v0", "Long-v0")  # reward grows with length: advantages != 0
     train(load_config(TrainConfig, _config(tmp_path, micro_model, long_env), []))
@@ -88,7 +88,7 @@ def test_bitwise_run_has_zero_logprob_gap_every_step(tmp_path, micro_model, yes_
 
 def test_bitwise_lora_run_has_zero_gaps_every_step(tmp_path, micro_model, yes_env):
     pytest.importorskip("peft")
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     long_env = yes_env.replace("Yes-v0", "Long-v0")
     config = _config(tmp_path, micro_model, long_env)

@@ -54,7 +54,7 @@ def _check(run: Path) -> None:
 
 
 def test_bitwise_quickstart_on_cuda_has_zero_gaps_every_step(tmp_path):
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     run = tmp_path / "run"
     train(load_config(TrainConfig, ROOT / "configs" / "quickstart.toml",
@@ -64,7 +64,7 @@ def test_bitwise_quickstart_on_cuda_has_zero_gaps_every_step(tmp_path):
 
 def test_bitwise_lora_quickstart_on_cuda_has_zero_gaps_every_step(tmp_path):
     pytest.importorskip("peft")
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     run = tmp_path / "run"
     train(load_config(TrainConfig, ROOT / "configs" / "quickstart.toml",

@@ -33,7 +33,7 @@ SHORT = ["--model.init_size", "micro", "--warmup.steps", "0", "--trainer.steps",
 def _run(out: Path, *extra: str) -> tuple[list[dict], dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     cfg = load_config(TrainConfig, REPO / "configs/quickstart.toml",
                       ["--out", str(out), *SHORT, *extra])

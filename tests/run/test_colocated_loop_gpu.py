@@ -37,7 +37,7 @@ MEMORY = ("memory/rollout_gib", "memory/rollout_peak_gib", "memory/train_gib",
 
 
 def _run(out: Path, *extra: str) -> list[dict]:
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     train(load_config(TrainConfig, ROOT / "configs/quickstart.toml",
                       ["--out", str(out), *SHORT, *extra]))

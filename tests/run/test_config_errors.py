@@ -185,7 +185,7 @@ def test_help_config_says_where_held_out_rows_come_from():
 
 
 def test_held_out_rows_are_never_trained_on(tmp_path):
-    from palaestra.run.loop import _eval_rows_from_file, _train_rows
+    from palaestra.run.held_out import eval_rows_from_file as _eval_rows_from_file, train_rows as _train_rows
 
     rows = [{"question": f"q{i}", "answer": str(i)} for i in range(12)]
     data = _rows(tmp_path / "rows.jsonl", rows)
@@ -320,7 +320,7 @@ def test_load_rows_names_every_line_that_does_not_parse(tmp_path):
 def test_env_drawn_training_tasks_never_repeat_a_held_out_one(tmp_path):
     """An env with a finite dataset repeats tasks: held-out draws are dropped from training."""
     from palaestra.run.tasks import tasks_from_env
-    from palaestra.run.loop import _train_rows
+    from palaestra.run.held_out import train_rows as _train_rows
 
     path = tmp_path / "gsm8k.toml"
     path.write_text('[env]\nid = "palaestra/GSM8K-v0"\n[data]\nnum_tasks = 300\n'

@@ -32,7 +32,7 @@ def _demos(path: Path, yes_per_10: int) -> Path:
 
 def _teacher(tmp_path: Path, model: Path, env_id: str) -> Path:
     """The SFT stage of a run on always-"yes" demonstrations (no RL step)."""
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     root = tmp_path / "teacher"
     root.mkdir()
@@ -42,7 +42,7 @@ def _teacher(tmp_path: Path, model: Path, env_id: str) -> Path:
 
 
 def test_distillation_lowers_reverse_kl_and_raises_success(tmp_path, micro_model, yes_env):
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     teacher = _teacher(tmp_path, micro_model, yes_env)
     config = _merge(tmp_path, micro_model, yes_env, _demos(tmp_path / "demos.jsonl", 3))
@@ -65,7 +65,7 @@ def test_distillation_lowers_reverse_kl_and_raises_success(tmp_path, micro_model
 def test_pure_distillation_trains_with_groups_of_one(tmp_path, micro_model, yes_env):
     """Without the env reward nothing compares the samples of a group: one sample per prompt
     is accepted and the reverse KL still falls."""
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     teacher = _teacher(tmp_path, micro_model, yes_env)
     config = _merge(tmp_path, micro_model, yes_env, _demos(tmp_path / "demos.jsonl", 3))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from palaestra.errors import ConfigError
-from palaestra.run.distill import check_teacher
+from palaestra.run.phases.distill import check_teacher
 
 
 def _model(path: Path, vocab: object, vocab_size: int = 3) -> Path:

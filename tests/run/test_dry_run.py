@@ -13,14 +13,9 @@ import pytest
 from palaestra.config import load_config
 from palaestra.errors import ConfigError
 from palaestra.run.config import TrainConfig
-from palaestra.run.dry_run import (
-    GIB,
-    NAMED_SHAPES,
-    describe_placement,
-    describe_plan,
-    engine_memory,
-    resolve_shape,
-)
+from palaestra.model_shapes import NAMED_SHAPES
+from palaestra.run.dry_run import describe_placement, describe_plan
+from palaestra.run.fleet.memory_plan import GIB, engine_memory, resolve_shape
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE_CONFIGS = ["search_r1_grpo", "search_r1_ppo", "gsm8k_grpo", "code_grpo"]
@@ -52,7 +47,7 @@ def _script(script: str, *args: str, **env: str) -> subprocess.CompletedProcess[
 
 @pytest.mark.parametrize("name", RECIPE_CONFIGS)
 def test_recipe_config_loads(name: str) -> None:
-    from palaestra.run.run_engines import engine_actor_count
+    from palaestra.run.fleet.start import engine_actor_count
 
     cfg = load_config(TrainConfig, REPO / "configs" / f"{name}.toml")
     # [placement] starts the engines as Ray actors: no engine.urls of servers started by hand

@@ -125,7 +125,7 @@ def test_an_engine_joins_a_running_run_and_one_drains_out(tmp_path, micro_model,
     from safetensors.torch import load_file
 
     from palaestra.errors import ConfigError, EngineError
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.run.engines_cli import call
 
     a, b = servers
@@ -208,7 +208,7 @@ def test_an_engine_joins_a_running_run_and_one_drains_out(tmp_path, micro_model,
 async def test_drain_lets_in_flight_finish_or_moves_them_after_the_timeout(servers):
     from palaestra.engine import SamplingParams
     from palaestra.engines.clients.router import Router
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
     a, b = servers
     for timeout_s, moved, tokens in ((60.0, False, 48), (0.05, True, 400)):
@@ -267,10 +267,10 @@ async def test_an_engine_of_another_model_is_refused(tmp_path, servers):
     """The run's policy is the tiny model; the servers serve the micro one."""
     from palaestra.errors import EngineError
     from palaestra.engines.clients.sglang import SGLangEngine
-    from palaestra.engines.weights.weight_transfer import DiskWeightSender
+    from palaestra.engines.weights.disk_sender import DiskWeightSender
     from palaestra.tiny_model import build_model
-    from palaestra.run.elastic import ElasticEngines
-    from palaestra.run.engine_sync import EngineSync
+    from palaestra.run.fleet.elastic import ElasticEngines
+    from palaestra.run.fleet.engine_sync import EngineSync
 
     a, b = servers
     policy = build_model(tmp_path / "tiny", "tiny")

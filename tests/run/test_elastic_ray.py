@@ -34,7 +34,7 @@ def two_servers(micro_model, tmp_path_factory):
 async def test_a_worker_routes_over_the_urls_it_is_given(two_servers, micro_model):
     from palaestra.agents import AgentSpec
     from palaestra.engine import SamplingParams
-    from palaestra.rollout import EngineSpec, WorkerConfig
+    from palaestra.rollout.config import EngineSpec, WorkerConfig
     from palaestra.rollout.worker import RolloutWorker
 
     a, b = two_servers

@@ -18,7 +18,7 @@ import pytest
 
 from palaestra.config import load_config
 from palaestra.errors import ConfigError
-from palaestra.run.placement import PlacementSection, plan_run
+from palaestra.run.fleet.placement import PlacementSection, plan_run
 from palaestra.run.config import TrainConfig
 
 pytest.importorskip("ray")
@@ -169,7 +169,7 @@ def test_bad_combinations_are_refused_when_the_config_loads(tmp_path, micro_mode
     monkeypatch.syspath_prepend(str(tmp_path))  # the env module, as PYTHONPATH gives the runs
     cfg = load_config(TrainConfig, config)
     from palaestra.run.dry_run import describe_plan
-    from palaestra.run.run_engines import engine_actor_count
+    from palaestra.run.fleet.start import engine_actor_count
 
     assert engine_actor_count(cfg) == 2
     text = describe_plan(cfg, environ={})
@@ -202,7 +202,7 @@ def test_bad_combinations_are_refused_when_the_config_loads(tmp_path, micro_mode
 
 
 def test_sglang_command_line_follows_its_cli():
-    from palaestra.run.engine_actors import EngineLaunch, server_argv
+    from palaestra.run.fleet.engine_actor import EngineLaunch, server_argv
 
     argv = server_argv(EngineLaunch("/models/q", server="sglang", colocate=True),
                        host="10.0.0.2", port=30001, gpus=2)
@@ -224,7 +224,8 @@ async def test_engine_group_starts_serves_and_loses_a_killed_actor(ray_cluster, 
 
     from palaestra.engine import SamplingParams
     from palaestra.errors import MissingExtraError
-    from palaestra.run.engine_actors import ActorEngine, EngineGroup, EngineLaunch
+    from palaestra.run.fleet.actors import ActorEngine, EngineGroup
+    from palaestra.run.fleet.engine_actor import EngineLaunch
 
     ray = ray_cluster
     plan = plan_run(PlacementSection(gpus_per_node=0, trainer_ranks=1, engines=2,
@@ -338,8 +339,9 @@ async def test_a_gpu_engine_actor_serves_on_its_bundles_gpu(micro_model, tmp_pat
     import ray
 
     from palaestra.engine import SamplingParams
-    from palaestra.run.engine_actors import ActorEngine, EngineGroup, EngineLaunch
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.run.fleet.actors import ActorEngine, EngineGroup
+    from palaestra.run.fleet.engine_actor import EngineLaunch
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
     started = not ray.is_initialized()
     if started:

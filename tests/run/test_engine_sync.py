@@ -10,8 +10,9 @@ import pytest
 
 from palaestra.config import validate
 from palaestra.errors import ConfigError
-from palaestra.run.config import DiskSync, DistributedSync, TrainConfig
-from palaestra.run.engine_sync import resolve_method
+from palaestra.run.config import TrainConfig
+from palaestra.run.fleet.sync_settings import DiskSync, DistributedSync
+from palaestra.run.fleet.engine_sync import resolve_method
 
 SERVERS = {"kind": "sglang", "urls": ["http://127.0.0.1:30000"]}
 
@@ -81,7 +82,7 @@ def test_nccl_without_cuda_is_a_clear_error() -> None:
     import torch
 
     from palaestra.errors import ConfigError
-    from palaestra.run.engine_sync import EngineSync
+    from palaestra.run.fleet.engine_sync import EngineSync
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -96,7 +97,7 @@ def test_nccl_without_cuda_is_a_clear_error() -> None:
 
 
 def test_launch_configs_pin_gpu_groups_on_free_ports(tmp_path) -> None:
-    from palaestra.run.server_launch import palaestra_serve_argv, server_configs
+    from palaestra.run.fleet.launch import palaestra_serve_argv, server_configs
 
     cfg = _cfg(kind="sglang", launch="sglang", launch_gpus=[1, 2, 3, 4], launch_tp=2,
                launch_args=["--mem-fraction-static", "0.7"])
@@ -125,7 +126,7 @@ def test_the_flat_spelling_of_earlier_configs_loads_with_a_deprecation_warning()
     with pytest.warns(DeprecationWarning), pytest.raises(ConfigError, match="weight_sync.backend"):
         _cfg(**SERVERS, weight_sync="disk", **{**flat, "sync_backend": "gloo"})
     # the resume check re-resolves an earlier run's flat config.json to the current spelling
-    from palaestra.run.loop import _resolved
+    from palaestra.run.train import _resolved
 
     current = _cfg(**SERVERS).model_dump(mode="json")
     recorded = {**current, "engine": {**{k: v for k, v in current["engine"].items()

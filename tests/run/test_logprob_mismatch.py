@@ -17,7 +17,7 @@ __all__ = ["micro_model", "yes_env"]  # the fixtures, imported for pytest
 
 
 def _run(tmp_path: Path, model: Path, extra: list[str]) -> list[dict]:
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     body = _grpo_on_long_env(tmp_path, model, steps=2)
     overrides = ["--rollout.batch_size", "4", "--rollout.group_size", "4", "--eval.num_tasks",

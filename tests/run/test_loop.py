@@ -129,7 +129,7 @@ def _read(path: Path) -> list[dict]:
 def test_three_grpo_steps_change_weights_and_bump_engine_version(tmp_path, micro_model, yes_env):
     from safetensors.torch import load_file
 
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     body = _grpo_on_long_env(tmp_path, micro_model, steps=3)
     overrides = ["--rollout.batch_size", "4", "--rollout.group_size", "4", "--eval.num_tasks", "4",
@@ -157,7 +157,7 @@ def test_warm_start_then_rl_raises_reward(tmp_path, micro_model, yes_env):
             reply = "yes" if i % 10 < 3 else "no"
             f.write(json.dumps({"messages": [{"role": "user", "content": "Say yes or no."},
                                              {"role": "assistant", "content": reply}]}) + "\n")
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     cfg = load_config(TrainConfig, _merge(tmp_path, micro_model, yes_env, demos))
     result = train(cfg)
@@ -275,8 +275,8 @@ def test_grpo_against_a_separate_server_process(tmp_path, micro_model, yes_env, 
     from safetensors.torch import load_file
 
     from palaestra.engines.serve.serve import serve_process
-    from palaestra.engines.clients.sglang import SGLangClient
-    from palaestra.run.loop import train
+    from palaestra.engines.clients.sglang_client import SGLangClient
+    from palaestra.run.train import train
 
     demos = tmp_path / "demos.jsonl"  # a short warm start: its policy reaches the server too
     demos.write_text("".join(json.dumps({"messages": [
@@ -327,7 +327,7 @@ def test_the_run_launches_its_own_server_and_stops_it(tmp_path, micro_model, yes
     out through it, syncs the weights over a gloo weight-update group and stops it at the end."""
     import socket
 
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     body = _grpo_on_long_env(tmp_path, micro_model, steps=2, engine='''kind = "sglang"
 launch = "palaestra"
@@ -382,7 +382,7 @@ tensorboard = false
 
 
 def test_dpo_run_learns_the_preference_and_exports(tmp_path, micro_model):
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     dataset = _dpo_rows(tmp_path / "pairs.jsonl")
     path = _write_config(tmp_path, dpo_config(tmp_path, micro_model, dataset))
@@ -399,10 +399,11 @@ def test_dpo_run_learns_the_preference_and_exports(tmp_path, micro_model):
 def test_a_step_with_non_finite_gradients_is_counted_as_skipped(micro_model):
     import torch
 
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.ppo.step import update_skipped as _update_skipped
-    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     torch.set_num_threads(1)
     backend = TorchBackend(micro_model, TorchBackendConfig(device="cpu", lr=0.01))

@@ -43,7 +43,7 @@ def test_megatron_backend_in_the_loop(tmp_path):
     pytest.importorskip("megatron.core")
     from safetensors.torch import load_file
 
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     run = tmp_path / "run"
     cfg = load_config(TrainConfig, ROOT / "configs" / "quickstart.toml", [
@@ -77,9 +77,9 @@ def test_disaggregated_trainer_and_server_over_nccl(tmp_path):
     from safetensors.torch import load_file
 
     from palaestra.engines.serve.serve import serve_process
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.tiny_model import build_model
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     run = tmp_path / "run"
     model = build_model(run / "model", "tiny")
@@ -124,7 +124,7 @@ def test_megatron_dpo_run(tmp_path):
     backend's pinned-host copy of the initial weights."""
     pytest.importorskip("megatron.core")
     from palaestra.tiny_model import build_model
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
     from tests.run.test_loop import _dpo_rows, dpo_config
 
     model = build_model(tmp_path / "model", "micro")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from palaestra.errors import ConfigError
-from palaestra.run.placement import PlacementConfig, plan_placement
+from palaestra.run.fleet.placement import PlacementConfig, plan_placement
 
 
 def test_disaggregated_plan():
@@ -37,7 +37,7 @@ def test_bad_plans_list_every_problem():
 
 
 def test_placement_group_needs_gpus(ray_cluster):
-    from palaestra.run.placement import create_placement_group
+    from palaestra.run.fleet.placement import create_placement_group
 
     plan = plan_placement(PlacementConfig(trainer_gpus=1, engine_gpus=1))
     with pytest.raises(ConfigError, match="needs 2 GPUs"):

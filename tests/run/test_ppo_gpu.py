@@ -43,7 +43,7 @@ BREAKDOWN = ("time/step_s", "time/rollout_s", "time/train_s", "time/logprobs_s",
 def test_three_ppo_steps_with_a_critic_on_the_same_backend(tmp_path, backend):
     if backend == "megatron":
         pytest.importorskip("megatron.core")
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     run = tmp_path / "run"
     cfg = load_config(TrainConfig, ROOT / "configs" / "quickstart_ppo.toml",

@@ -214,7 +214,7 @@ def test_other_settings_are_refused_and_more_steps_extend_a_finished_run(runs, s
     from palaestra.config import load_config
     from palaestra.errors import ConfigError
     from palaestra.run.config import TrainConfig
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     tmp, model, _ = setup
     monkeypatch.syspath_prepend(str(tmp))  # the env module, for this process's own run
@@ -262,7 +262,7 @@ def test_the_console_log_keeps_redrawn_lines_in_their_final_state(tmp_path, caps
 def test_fixed_settings_are_compared_leaf_by_leaf(tmp_path):
     from palaestra.errors import ConfigError
     from palaestra.run.config import TrainConfig
-    from palaestra.run.loop import _resolved
+    from palaestra.run.train import _resolved
     from palaestra.run.run_dir import check_resume
 
     def dump(**changes) -> dict:

@@ -46,7 +46,7 @@ def _rm_config(tmp_path: Path, dataset: Path, **changes) -> TrainConfig:
 def rm_run(tmp_path_factory):
     import torch
 
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     torch.set_num_threads(1)
     tmp = tmp_path_factory.mktemp("rm-run")
@@ -105,7 +105,7 @@ def test_rm_resumes_and_extends(rm_run, tmp_path):
     """A finished run given more steps goes on from its last checkpoint (step 60)."""
     import shutil
 
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     out, _ = rm_run
     copy = tmp_path / "rm"

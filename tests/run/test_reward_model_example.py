@@ -40,7 +40,7 @@ def _evals(run: Path) -> dict[str, dict]:
 def test_rl_against_a_trained_rm_raises_true_success(tmp_path):
     import torch
 
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     torch.set_num_threads(1)
     logging = {"progress": False, "tensorboard": False}

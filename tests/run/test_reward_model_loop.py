@@ -35,7 +35,7 @@ def judge_url():
 def test_rl_with_a_judge_runs_from_palaestra_train(tmp_path, judge_url):
     import torch
 
-    from palaestra.run.loop import train
+    from palaestra.run.train import train
 
     torch.set_num_threads(1)
     cfg = validate(TrainConfig, {

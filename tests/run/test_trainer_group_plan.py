@@ -11,7 +11,7 @@ import pytest
 
 from palaestra.config import load_config
 from palaestra.errors import ConfigError
-from palaestra.run.placement import PlacementSection, plan_problems, plan_run
+from palaestra.run.fleet.placement import PlacementSection, plan_problems, plan_run
 from palaestra.run.config import TrainConfig
 from palaestra.run.dry_run import describe_plan
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from palaestra.sandbox import Sandbox, judge_run
+from palaestra.sandbox import Sandbox
+from palaestra.sandbox.integrity import judge_run
 from palaestra.sandbox.errors import SandboxError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

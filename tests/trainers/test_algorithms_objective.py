@@ -63,8 +63,8 @@ def test_config_module_imports_no_torch():
 
     code = ("import sys; import palaestra.trainers.algorithms.config, "
             "palaestra.trainers.torch_backend.config; "
-            "from palaestra.trainers.algorithms import LossConfig; "
-            "from palaestra.trainers.torch_backend import TorchBackendConfig; "
+            "from palaestra.trainers.algorithms.config import LossConfig; "
+            "from palaestra.trainers.torch_backend.config import TorchBackendConfig; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

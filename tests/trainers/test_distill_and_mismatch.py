@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from palaestra.trainers.algorithms import LossConfig
+from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.algorithms.distill import distill_advantages
 from palaestra.trainers.algorithms.mismatch import batch_metrics, step_metrics
 from palaestra.trainers.batching import TrainBatch

@@ -50,7 +50,8 @@ def make_batch(n: int = 24, length: int = 200) -> TrainBatch:
 
 
 def _run(model_dir: Path, batch: TrainBatch, **settings):
-    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

@@ -12,7 +12,8 @@ import statistics
 import pytest
 import torch
 
-from palaestra.trainers.algorithms import LossConfig, compute_advantages
+from palaestra.trainers.algorithms.config import LossConfig
+from palaestra.trainers.algorithms.estimators import compute_advantages
 from palaestra.trainers.batching import TrainBatch
 from palaestra.trainers.ppo.step import mini_batches, value_stats
 

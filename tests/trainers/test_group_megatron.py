@@ -65,7 +65,7 @@ def test_megatron_rank_refuses_clearly_without_cuda(tmp_path):
 
 
 def test_tp_ranks_of_one_data_parallel_rank_share_its_shard():
-    from palaestra.run.placement import PlacementSection, plan_run
+    from palaestra.run.fleet.placement import PlacementSection, plan_run
     from palaestra.trainers.group.group import TrainerGroup
 
     plan = plan_run(PlacementSection(gpus_per_node=4, trainer_ranks=4), on_gpu=True,

@@ -39,7 +39,7 @@ def test_megatron_rank_in_process_matches_the_backend(tmp_path):
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.algorithms.objective import batch_loss_weights
     from palaestra.trainers.group.actor import TrainerRank, free_port
-    from palaestra.trainers.megatron import MegatronBackend
+    from palaestra.trainers.megatron.backend import MegatronBackend
     from palaestra.trainers.megatron.config import MegatronBackendConfig
 
     model = build_model(tmp_path / "m", "tiny", seed=1)
@@ -95,7 +95,7 @@ def _push_to_a_server(rank, model, want) -> None:
     import asyncio
 
     from palaestra.engines.serve.serve import serve_process
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.trainers.group.push import EnginePushSpec
 
     server = serve_process(model, device="cpu", extra=("--threads", "2", "--max-running", "4"))

@@ -21,7 +21,7 @@ import torch
 
 from palaestra.config import validate
 from palaestra.engine import SamplingParams
-from palaestra.run.placement import PlacementSection, plan_run
+from palaestra.run.fleet.placement import PlacementSection, plan_run
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.batching import TrainBatch
 from palaestra.run.config import TrainConfig
@@ -72,7 +72,7 @@ def ray_local():
 
 def _sync(url: str, tmp_path: Path, model: Path, kind: str):
     from palaestra.engines.clients.sglang import SGLangEngine
-    from palaestra.run.engine_sync import EngineSync
+    from palaestra.run.fleet.engine_sync import EngineSync
 
     settings: dict = {"kind": kind}
     if kind == "distributed":
@@ -87,7 +87,7 @@ def _sync(url: str, tmp_path: Path, model: Path, kind: str):
 
 async def _check_server(url: str, want: dict[str, torch.Tensor], version: int) -> Any:
     """The server holds ``want`` at ``version``; its greedy generation of PROMPT."""
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.engines.clients.sglang_client import SGLangClient
 
     client = SGLangClient(url, retries=0)
     try:
@@ -119,7 +119,9 @@ async def test_rank_zero_pushes_to_servers_without_the_driver(model, server, ray
                                                              tmp_path):
     from palaestra.trainers.group.group import TrainerGroup
     from palaestra.trainers.group.push import EnginePushSpec
-    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+    from palaestra.run.fleet.weight_pushes import GroupPush, build_push, push_to_joining
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     cfg = TorchBackendConfig(device="cpu", dtype="float32", lr=1e-2, pack_sequences=False)
     loss = LossConfig.from_preset("grpo")
@@ -138,10 +140,12 @@ async def test_rank_zero_pushes_to_servers_without_the_driver(model, server, ray
             await engine.start()
             sync = make_sync()
             try:
-                stats = await sync.push_now(group, version)
-                assert sync.group_pushes == 1 and group.weight_relays == 0
+                push = build_push(sync, group)
+                stats = await push.push(version)
+                assert isinstance(push, GroupPush) and push.pushes == 1
+                assert group.weight_relays == 0
                 assert group.last_push is not None and group.last_push["pid"] == rank0_pid
-                assert stats.num_bytes > 0 and sync.metrics()["sync/gbytes"] > 0
+                assert stats.num_bytes > 0 and push.metrics()["sync/gbytes"] > 0
                 assert engine.weight_version == version  # read back from the server
                 if kind == "disk":
                     assert (tmp_path / kind / "versions" / f"v{version}").is_dir()
@@ -160,7 +164,7 @@ async def test_rank_zero_pushes_to_servers_without_the_driver(model, server, ray
         await engine.start()
         sync = make_sync()
         try:
-            await sync.push_to(engine.clients[0], group, 7)
+            await push_to_joining(build_push(sync, group), engine.clients[0], 7)
             assert engine.clients[0].weight_version == 7 and group.weight_relays == 0
         finally:
             await sync.close()

@@ -24,7 +24,7 @@ import torch
 
 from palaestra.config import load_config
 from palaestra.errors import ConfigError
-from palaestra.run.placement import PlacementSection, plan_run
+from palaestra.run.fleet.placement import PlacementSection, plan_run
 from palaestra.run.config import TrainConfig
 
 torch.set_num_threads(1)
@@ -96,12 +96,13 @@ def _bundle_free(pg_id: str) -> dict[int, tuple[float, float]]:
 
 
 async def test_group_ranks_start_on_the_engines_bundles(ray_local, micro_model, tmp_path):
-    from palaestra.run.engine_actors import EngineGroup, EngineLaunch
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.run.fleet.actors import EngineGroup
+    from palaestra.run.fleet.engine_actor import EngineLaunch
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.group.group import TrainerGroup
-    from palaestra.trainers.torch_backend import TorchBackendConfig
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     plan = plan_run(SHARED, on_gpu=False)
     engines = EngineGroup(EngineLaunch(str(micro_model), extra_args=("--threads", "1"),
@@ -133,12 +134,10 @@ async def test_group_ranks_start_on_the_engines_bundles(ray_local, micro_model, 
                 finally:
                     await client.close()
             # ipc beside the ranks: each rank hands its gathered weights to its own engine
-            from types import SimpleNamespace
-
-            from palaestra.run.engine_sync import _neighbour_urls
+            from palaestra.run.fleet.engine_sync import _neighbour_urls
             from palaestra.trainers.group.push import EnginePushSpec
 
-            neighbours = _neighbour_urls(SimpleNamespace(actor_group=engines))
+            neighbours = _neighbour_urls(engines)
             by_index = sorted(engines.members, key=lambda m: m.index)
             assert neighbours == tuple(m.url for m in by_index)
             spec = EnginePushSpec(method="ipc", urls=tuple(engines.urls), bucket_bytes=1 << 20,
@@ -257,10 +256,11 @@ async def test_an_engine_and_a_rank_share_one_gpu_bundle_gpu(micro_model, tmp_pa
     the one bundle's GPU in the same placement group; the engine serves on CUDA and the rank
     trains on CUDA beside it."""
     from palaestra.engine import SamplingParams
-    from palaestra.run.engine_actors import ActorEngine, EngineGroup, EngineLaunch
-    from palaestra.engines.clients.sglang import SGLangClient
+    from palaestra.run.fleet.actors import ActorEngine, EngineGroup
+    from palaestra.run.fleet.engine_actor import EngineLaunch
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.trainers.group.group import TrainerGroup
-    from palaestra.trainers.torch_backend import TorchBackendConfig
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     if ray.is_initialized():
         ray.shutdown()

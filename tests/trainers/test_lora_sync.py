@@ -14,7 +14,8 @@ pytest.importorskip("peft")
 from palaestra.engine import SamplingParams
 from palaestra.engines.local.local import LocalEngine
 from palaestra.trainers.algorithms.config import LossConfig
-from palaestra.run.engine_sync import EngineSync
+from palaestra.run.fleet.engine_sync import EngineSync
+from palaestra.run.fleet.weight_pushes import build_push
 from palaestra.trainers.torch_backend.backend import TorchBackend
 from palaestra.trainers.torch_backend.config import TorchBackendConfig
 from palaestra.trainers.torch_backend.lora import LoraSettings
@@ -71,20 +72,21 @@ async def test_in_process_and_server_syncs_send_the_adapter_only(model_dir: str,
                    for g, w in zip(base, want))
         full = sum(t.numel() * 4 for t in backend.state_dict_for_engines().values())
         sync = EngineSync("in_process", local, bucket_bytes=1 << 20)
-        stats = await sync.push_now(backend, 1)
+        stats = await build_push(sync, backend).push(1)
         assert 0 < stats.num_bytes < full / 5  # the adapter, not the model
         for got, w in zip(await outputs(local), want):
             assert got.token_ids == w.token_ids
             torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(w.logprobs),
                                        atol=1e-4, rtol=0)
-        to_server = EngineSync("tensor", remote, bucket_bytes=1 << 20)
-        to_server.lora_servers, to_server.adapter_dir = True, tmp_path / "lora-sync"
-        await to_server.push_now(backend, 1)
+        to_server = build_push(EngineSync("tensor", remote, bucket_bytes=1 << 20,
+                                          lora_servers=True, adapter_dir=tmp_path / "lora-sync"),
+                               backend)
+        await to_server.push(1)
         assert served.lora_adapters == ["policy-v1"] and remote.default_lora == "policy-v1"
         for got, w in zip(await outputs(remote), want):  # requests name the adapter
             assert got.token_ids == w.token_ids
         backend.train_step(*_one_more(backend))
-        await to_server.push_now(backend, 2)
+        await to_server.push(2)
         assert served.lora_adapters == ["policy-v2"]  # the previous version unloaded
         assert not (tmp_path / "lora-sync" / "policy-v1").exists()
     finally:

@@ -55,7 +55,7 @@ def _weights(backend) -> list[torch.Tensor]:
 
 
 def test_values_gae_warmup_and_mini_batches(micro):
-    from palaestra.run.critic import build_critic
+    from palaestra.run.phases.critic import build_critic
     from palaestra.trainers.ppo.step import ppo_step
 
     cfg = _cfg(micro, **{"critic.warmup_steps": "1", "trainer.updates_per_batch": "2"})
@@ -92,7 +92,7 @@ def test_values_gae_warmup_and_mini_batches(micro):
 
 
 def test_reward_kl_uses_the_reference_before_the_advantages(micro):
-    from palaestra.run.critic import build_critic
+    from palaestra.run.phases.critic import build_critic
     from palaestra.trainers.ppo.step import ppo_step
 
     cfg = _cfg(micro, **{"trainer.loss.kl_coef": "0.5", "trainer.loss.kl_mode": "reward",
@@ -107,7 +107,7 @@ def test_reward_kl_uses_the_reference_before_the_advantages(micro):
     out = ppo_step(cfg, actor, critic, batch, step=0)
     assert out.batch.ref_logprobs is not None and out.batch.old_logprobs is not None
     no_kl = _cfg(micro, **{"trainer.updates_per_batch": "1", "trainer.mini_batch_size": "6"})
-    from palaestra.trainers.algorithms import compute_advantages
+    from palaestra.trainers.algorithms.estimators import compute_advantages
 
     plain = compute_advantages(batch, no_kl.trainer.loss, values=values)
     # with KL in the reward the returns are lower by the (positive) k3 penalties

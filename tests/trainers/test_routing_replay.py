@@ -17,7 +17,8 @@ from palaestra.errors import ConfigError
 from palaestra.engine import SamplingParams
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.batching import TrainBatch
-from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+from palaestra.trainers.torch_backend.backend import TorchBackend
+from palaestra.trainers.torch_backend.config import TorchBackendConfig
 from palaestra.types import Sample
 
 pytestmark = pytest.mark.numerics  # bf16 routing flips and replayed logprobs

@@ -62,7 +62,8 @@ def test_replay_lowers_the_bf16_mismatch(tmp_path: Path) -> None:
 
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
-    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     torch.manual_seed(0)
     Qwen3MoeForCausalLM(Qwen3MoeConfig(**CFG)).save_pretrained(tmp_path)

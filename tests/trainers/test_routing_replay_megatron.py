@@ -62,7 +62,8 @@ def test_megatron_replay_equals_torch_replay(parts) -> None:
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.megatron.backend import MegatronBackend
     from palaestra.trainers.megatron.config import MegatronBackendConfig
-    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     model, path = parts
     g = torch.Generator().manual_seed(1)
@@ -86,7 +87,7 @@ def test_megatron_replay_equals_torch_replay(parts) -> None:
     assert diff(moved_mega, free) > 1e-2  # the shifted experts are really used
     assert diff(moved_mega, moved_torch) < 2e-3  # and used as the torch backend uses them
     # a train step under replay runs forward and backward (the recompute pops the same ids)
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
 
     metrics = mega.train_step(shifted, LossConfig(preset="grpo"))
     assert metrics["grad_norm"] > 0

@@ -308,10 +308,10 @@ def test_bad_model_path_is_a_clear_error(tmp_path):
 def test_public_api_is_pinned():
     import inspect
 
-    from palaestra.trainers import torch_backend
+    from palaestra.trainers.torch_backend import backend, config
 
-    assert torch_backend.TorchBackend is TorchBackend
-    assert torch_backend.TorchBackendConfig is TorchBackendConfig
+    assert backend.TorchBackend is TorchBackend and "TorchBackend" in backend.__all__
+    assert config.TorchBackendConfig is TorchBackendConfig
     sig = {name: str(inspect.signature(getattr(TorchBackend, name))) for name in (
         "__init__", "forward_logprobs", "forward_logprobs_with_entropy", "forward_values",
         "train_step", "state_dict_for_engines", "iter_engine_weight_buckets", "save", "load",

@@ -91,7 +91,8 @@ DEVICES = [
 def test_fsdp2_two_ranks_match_one_process(tmp_path, device):
     from transformers import AutoModelForCausalLM
 
-    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     model_dir = tiny_qwen3(tmp_path / "model")
     batch = make_batch()

@@ -49,7 +49,8 @@ def make_batch(seed: int = 1, n: int = 9) -> TrainBatch:
 
 
 def test_cuda_bf16_logprobs_training_and_roundtrip(tmp_path):
-    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     model_dir = tiny_qwen3(tmp_path / "model")
     gpu = TorchBackend(model_dir, TorchBackendConfig(device="cuda", lr=1e-2))

@@ -6,14 +6,12 @@ import pytest
 import torch
 
 from palaestra.errors import ConfigError, TrajectoryValidationError
-from palaestra.trainers.batching import (
-    TrainBatch,
+from palaestra.trainers.batching import TrainBatch, pad_ragged, unpad
+from palaestra.trainers.micro_batches import (
     build_micro_batch,
     make_micro_batches,
-    pad_ragged,
     plan_micro_batches,
     split_across_ranks,
-    unpad,
 )
 from palaestra.types import Sample
 

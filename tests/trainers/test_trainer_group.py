@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from palaestra.run.placement import PlacementSection, plan_run
+from palaestra.run.fleet.placement import PlacementSection, plan_run
 from palaestra.trainers.algorithms.config import LossConfig
-from palaestra.trainers.batching import TrainBatch, split_across_ranks
+from palaestra.trainers.batching import TrainBatch
+from palaestra.trainers.micro_batches import split_across_ranks
 
 torch.set_num_threads(1)
 ray = pytest.importorskip("ray")
@@ -57,7 +58,8 @@ def ray_local():
 @pytest.mark.slow
 def test_two_rank_group_matches_one_process(tmp_path, ray_local):
     from palaestra.trainers.group.group import TrainerGroup
-    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     model = tiny_model(tmp_path / "model")
     cfg = TorchBackendConfig(device="cpu", dtype="float32", lr=1e-3,

@@ -32,11 +32,12 @@ def _batch(n: int = 8):
 
 
 def test_colocated_phases_free_memory_and_keep_training_exact(tmp_path):
-    from palaestra.engines import LocalEngine
+    from palaestra.engines.local.local import LocalEngine
     from palaestra.engine import SamplingParams
     from palaestra.tiny_model import build_model
     from palaestra.trainers.algorithms.config import LossConfig
-    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     model = build_model(tmp_path / "m", "small")
     cfg = TorchBackendConfig(device="cuda", dtype="float32", lr=1e-4)
@@ -100,10 +101,10 @@ def _state_bytes(backend) -> int:
 
 def test_group_of_one_gpu_rank_offloads(tmp_path):
     ray = pytest.importorskip("ray")
-    from palaestra.run.placement import PlacementSection, plan_run
+    from palaestra.run.fleet.placement import PlacementSection, plan_run
     from palaestra.tiny_model import build_model
     from palaestra.trainers.group.group import TrainerGroup
-    from palaestra.trainers.torch_backend import TorchBackendConfig
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     model = build_model(tmp_path / "m", "small")
     plan = plan_run(PlacementSection(gpus_per_node=1, trainer_ranks=1, colocate=True),

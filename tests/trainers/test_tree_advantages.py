@@ -8,7 +8,8 @@ import torch
 
 from palaestra.config import load_config
 from palaestra.errors import ConfigError
-from palaestra.trainers.algorithms import LossConfig, compute_advantages
+from palaestra.trainers.algorithms.config import LossConfig
+from palaestra.trainers.algorithms.estimators import compute_advantages
 from palaestra.trainers.algorithms.tree_advantages import tree_nodes, tree_turn_advantages
 from palaestra.trainers.batching import TrainBatch
 from palaestra.types import Sample

@@ -16,7 +16,7 @@ when ``tis_cap`` is set, ``KL_t`` from ``kl.kl_estimate`` when ``kl_mode == "los
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +27,9 @@ from palaestra.trainers.algorithms.mismatch import MAX_METRICS, logprob_diff_sta
 from palaestra.trainers.algorithms.policy_loss import gspo_loss, ppo_clip_loss, tis_weights
 from palaestra.trainers.algorithms.supervised import dpo_loss
 from palaestra.trainers.algorithms.value_loss import clipped_value_loss
+
+if TYPE_CHECKING:
+    from palaestra.trainers.batching import TrainBatch
 
 Metrics = dict[str, torch.Tensor]
 
@@ -162,7 +165,7 @@ def sequence_fields(num_sequences: int, cfg: LossConfig, *, critic: bool = False
     return {PAIR_WEIGHT: torch.full((num_sequences,), 2.0 / num_sequences)}
 
 
-def batch_loss_weights(batch: Any, cfg: LossConfig) -> tuple[torch.Tensor, ...]:
+def batch_loss_weights(batch: TrainBatch, cfg: LossConfig) -> tuple[torch.Tensor, ...]:
     """Per-sequence 1-D aggregation weights of a whole TrainBatch (``sum(w * loss)`` is the batch
     loss); DPO always aggregates token-mean."""
     from palaestra.trainers.algorithms.aggregation import loss_token_weights
@@ -175,7 +178,7 @@ def batch_loss_weights(batch: Any, cfg: LossConfig) -> tuple[torch.Tensor, ...]:
     return unpad(weights, batch.lengths)
 
 
-def check_train_batch(batch: Any, cfg: LossConfig, *, critic: bool = False) -> None:
+def check_train_batch(batch: TrainBatch, cfg: LossConfig, *, critic: bool = False) -> None:
     """Raise a ConfigError naming what ``batch`` (a TrainBatch) lacks for this objective."""
     if critic:
         need = ["returns", "old_values"]

@@ -1,7 +1,7 @@
 """The trainer group: one Ray actor per trainer rank on the run's placement group.
 
 ``[placement] trainer_ranks = N`` (N > 1) makes ``palaestra train`` create a Ray placement group
-from the plan (`palaestra.run.placement.plan_run`), start one `TrainerRank` actor per bundle,
+from the plan (`palaestra.run.fleet.placement.plan_run`), start one `TrainerRank` actor per bundle,
 each running one rank of the torch backend (FSDP2; gloo on CPU, NCCL on GPU) in one process group
 rendezvousing at rank 0's address, and drive them through `TrainerGroup` (the same methods as a
 backend: ``train_step``, ``forward_logprobs``, weights for the engines, ``save``/``load``,

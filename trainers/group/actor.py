@@ -25,6 +25,9 @@ from typing import TYPE_CHECKING, Any
 from palaestra.errors import ConfigError
 
 if TYPE_CHECKING:
+    import torch
+
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.group.push import EnginePushSpec, RankPusher
 
 
@@ -76,7 +79,7 @@ class TrainerRank:
         if isinstance(config, MegatronBackendConfig):
             self._build_megatron(Path(model_path), config)
         else:
-            from palaestra.trainers.torch_backend import TorchBackend
+            from palaestra.trainers.torch_backend.backend import TorchBackend
 
             self.kind = "torch"
             self.backend = TorchBackend(Path(model_path), config)
@@ -96,7 +99,7 @@ class TrainerRank:
         require_megatron()  # MissingExtraError with the install command
         from transformers import AutoConfig
 
-        from palaestra.trainers.megatron import MegatronBackend
+        from palaestra.trainers.megatron.backend import MegatronBackend
 
         self.kind = "megatron"
         self.backend = MegatronBackend(AutoConfig.from_pretrained(model_path), config,
@@ -115,7 +118,8 @@ class TrainerRank:
                                      and ps.get_pipeline_model_parallel_rank() == 0)}
         return {"dp_rank": self.rank, "dp_size": self.world_size, "dp_leader": 1}
 
-    def train_step(self, shard: tuple[Any, list[Any] | None], loss_cfg: Any) -> dict[str, float]:
+    def train_step(self, shard: tuple[Any, list[Any] | None], loss_cfg: LossConfig
+                   ) -> dict[str, float]:
         batch, weights = shard
         return self.backend.train_step(batch, loss_cfg, loss_weights=weights)  # type: ignore[no-any-return]
 
@@ -123,7 +127,7 @@ class TrainerRank:
                          ) -> list[Any]:
         return self.backend.forward_logprobs(shard[0], ref=ref)  # type: ignore[no-any-return]
 
-    def state_dict_for_engines(self, dtype: Any = None, device: str = "cpu") -> dict[str, Any]:
+    def state_dict_for_engines(self, dtype: torch.dtype | None = None, device: str = "cpu") -> dict[str, Any]:
         """Full weights (a collective; under FSDP2 only rank 0's dict is filled)."""
         out: dict[str, Any] = self.backend.state_dict_for_engines(dtype=dtype, device=device)
         return out if self.rank == 0 else {}

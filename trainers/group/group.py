@@ -1,6 +1,6 @@
 """`TrainerGroup`: the trainer ranks of a run as Ray actors on one placement group.
 
-`start` reserves the plan's trainer bundles (`palaestra.run.placement.RunPlan`: GPU bundles,
+`start` reserves the plan's trainer bundles (`palaestra.run.fleet.placement.RunPlan`: GPU bundles,
 or CPU bundles on CPU nodes) as a Ray placement group (or, given ``placement_group``, starts in
 an existing one of the whole plan: colocated engine actors reserved it, and rank r goes on bundle
 ``plan.trainer_bundles[r]`` beside engine r, asking ``plan.trainer_gpu_fraction`` of its GPU and
@@ -40,7 +40,11 @@ from typing import TYPE_CHECKING, Any
 from palaestra.errors import ConfigError, MissingExtraError, PalaestraError
 
 if TYPE_CHECKING:
+    import torch
+
     from palaestra.engines.weights.weight_transfer import TransferStats
+    from palaestra.trainers.algorithms.config import LossConfig
+    from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.group.push import EnginePushSpec
 
 
@@ -216,14 +220,15 @@ class TrainerGroup:
         """Data-parallel ranks (the world for FSDP2; world / (tp x pp) for Megatron)."""
         return int(self.ranks[0]["dp_size"]) if self.ranks else self.world_size
 
-    def shards(self, batch: Any, loss_cfg: Any = None) -> tuple[list[list[int]], list[Any]]:
+    def shards(self, batch: TrainBatch, loss_cfg: LossConfig | None = None
+               ) -> tuple[list[list[int]], list[Any]]:
         """The sequence indices of each data-parallel rank (token-balanced) and an object ref
         per data-parallel rank holding its sub-batch and (with ``loss_cfg``) its sequences' loss
         weights over the whole batch."""
         import ray
 
         from palaestra.trainers.algorithms.objective import batch_loss_weights
-        from palaestra.trainers.batching import split_across_ranks
+        from palaestra.trainers.micro_batches import split_across_ranks
 
         parts = split_across_ranks(batch.lengths, self.dp_size, units=batch.units())
         if any(not p for p in parts):
@@ -244,7 +249,7 @@ class TrainerGroup:
         return [r for r, info in enumerate(self.ranks) if info.get("dp_leader", 1)]
 
     # ------------------------------------------------------------- the backend's methods
-    def train_step(self, batch: Any, loss_cfg: Any) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, loss_cfg: LossConfig) -> dict[str, float]:
         _, refs = self.shards(batch, loss_cfg)
         results = self._get([a.train_step.remote(refs[self._dp_of(r)], loss_cfg)
                              for r, a in enumerate(self.actors)])
@@ -255,7 +260,7 @@ class TrainerGroup:
         out["step_time_s"] = max(r["step_time_s"] for r in results)
         return out
 
-    def forward_logprobs(self, batch: Any, *, ref: bool = False) -> list[Any]:
+    def forward_logprobs(self, batch: TrainBatch, *, ref: bool = False) -> list[torch.Tensor]:
         parts, refs = self.shards(batch)
         results = self._get([a.forward_logprobs.remote(refs[self._dp_of(r)], ref)
                              for r, a in enumerate(self.actors)])

@@ -99,7 +99,11 @@ class EnginePushSpec:
 
 @runtime_checkable
 class PushesOwnWeights(Protocol):
-    """A backend whose own process sends its weights to the servers (a `TrainerGroup`)."""
+    """A backend whose own process sends its weights to the servers (a `TrainerGroup`);
+    ``last_push`` is rank 0's answer to the last push (``unflushed``: servers that kept their
+    prefix cache)."""
+
+    last_push: dict[str, Any] | None
 
     def push_weights(self, spec: EnginePushSpec, version: int, *, keep: bool = True
                      ) -> TransferStats:
@@ -142,9 +146,9 @@ class RankPusher:
         return stats
 
     def _make_sender(self, spec: EnginePushSpec) -> None:
-        from palaestra.engines.clients.sglang import SGLangClient
+        from palaestra.engines.clients.sglang_client import SGLangClient
+        from palaestra.engines.weights.disk_sender import DiskWeightSender
         from palaestra.engines.weights.weight_transfer import (
-            DiskWeightSender,
             DistributedWeightSender,
             IpcWeightSender,
         )

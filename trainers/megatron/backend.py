@@ -40,7 +40,9 @@ from palaestra.trainers.megatron.weights import (
 if TYPE_CHECKING:
     import torch
 
-    from palaestra.trainers.batching import MicroBatch, TrainBatch
+    from palaestra.trainers.algorithms.config import LossConfig
+    from palaestra.trainers.batching import TrainBatch
+    from palaestra.trainers.micro_batches import MicroBatch
 
 
 def read_hf_state_dict(model_path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
@@ -61,6 +63,20 @@ def torch_empty_like_pinned(tensor: torch.Tensor) -> torch.Tensor:
     import torch
 
     return torch.empty_like(tensor, pin_memory=torch.cuda.is_available())
+
+
+def _check_layout(arch: ModelArch, c: MegatronBackendConfig, *, use_te: bool) -> None:
+    """Refuse the parallel layouts megatron-core cannot train this architecture with."""
+    if c.sequence_parallel and not use_te:
+        raise ConfigError("sequence_parallel needs transformer-engine (megatron's torch "
+                          "RMSNorm does not support it); install it or unset it")
+    if arch.mla is not None and c.tp > 1:
+        raise ConfigError("multi-latent attention (DeepSeek-V3) is built with tp = 1 for now "
+                          "(its down-projections shard differently); use ep and dp instead")
+    if arch.moe is not None and c.tp > 1 and not c.sequence_parallel:
+        raise ConfigError("megatron-core trains MoE with tp > 1 only with "
+                          "sequence_parallel=True (which needs transformer-engine); "
+                          "use ep > 1 with tp=1 instead")
 
 
 class MegatronBackend:
@@ -94,16 +110,7 @@ class MegatronBackend:
         if c.use_transformer_engine == "on" and not te:
             raise ConfigError("use_transformer_engine='on' but transformer-engine is not installed")
         self.use_te = te and c.use_transformer_engine != "off"
-        if c.sequence_parallel and not self.use_te:
-            raise ConfigError("sequence_parallel needs transformer-engine (megatron's torch "
-                              "RMSNorm does not support it); install it or unset it")
-        if self.arch.mla is not None and c.tp > 1:
-            raise ConfigError("multi-latent attention (DeepSeek-V3) is built with tp = 1 for now "
-                              "(its down-projections shard differently); use ep and dp instead")
-        if self.arch.moe is not None and c.tp > 1 and not c.sequence_parallel:
-            raise ConfigError("megatron-core trains MoE with tp > 1 only with "
-                              "sequence_parallel=True (which needs transformer-engine); "
-                              "use ep > 1 with tp=1 instead")
+        _check_layout(self.arch, c, use_te=self.use_te)
         init_parallel(self.parallel, seed=c.seed)
         if hf_state_dict is None and model_path is not None:
             hf_state_dict = read_hf_state_dict(model_path)
@@ -199,7 +206,7 @@ class MegatronBackend:
         return ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
 
     def _local_indices(self, batch: TrainBatch) -> list[int]:
-        from palaestra.trainers.batching import split_across_ranks
+        from palaestra.trainers.micro_batches import split_across_ranks
 
         rank, size = self._dp
         if size == 1 or self.local_batches:
@@ -287,7 +294,7 @@ class MegatronBackend:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from palaestra.trainers.batching import make_micro_batches
+        from palaestra.trainers.micro_batches import make_micro_batches
 
         local = self._local_indices(batch)
         result: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -394,7 +401,7 @@ class MegatronBackend:
         assert ents is not None
         return logps, ents
 
-    def train_step(self, batch: TrainBatch, loss_cfg: Any, *,
+    def train_step(self, batch: TrainBatch, loss_cfg: LossConfig, *,
                    loss_weights: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
         """One optimizer step on ``batch`` under ``loss_cfg`` (an algorithms.LossConfig).
 
@@ -402,38 +409,23 @@ class MegatronBackend:
         ``grad_norm``, ``lr`` and ``update_ok``. ``loss_weights``: per-sequence aggregation
         weights computed over the whole batch (a trainer group's rank gets its shard and these).
         """
-        import torch
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
 
-        from palaestra.trainers.algorithms.objective import (
-            batch_loss_weights,
-            check_train_batch,
-            sequence_fields,
-        )
-        from palaestra.trainers.batching import TOKEN_FIELDS, make_micro_batches
+        from palaestra.trainers.loss_inputs import loss_micro_batches, runs_ref_forward
         from palaestra.trainers.torch_backend.optim import lr_multiplier
 
         start = time.perf_counter()
         critic = self.cfg.critic
         logprobs_s = 0.0
-        if (not critic and loss_cfg.needs_ref_logprobs and batch.ref_logprobs is None
-                and (loss_cfg.objective == "dpo" or loss_cfg.kl_mode == "loss")
-                and self._ref_weights is not None):
+        if runs_ref_forward(batch, loss_cfg, critic=critic,
+                            has_reference=self._ref_weights is not None):
             batch = batch.replace(ref_logprobs=self.forward_logprobs(batch, ref=True))
             logprobs_s = time.perf_counter() - start
-        check_train_batch(batch, loss_cfg, critic=critic)
-        fields = {n: getattr(batch, n) for n in TOKEN_FIELDS if getattr(batch, n) is not None}
-        if loss_weights is None and self.local_batches:
-            raise ConfigError("a data-parallel shard needs the whole batch's loss_weights")
-        fields[losses.WEIGHTS] = batch_loss_weights(batch, loss_cfg) if loss_weights is None \
-            else tuple(loss_weights)
         local = self._local_indices(batch)
-        mbs = make_micro_batches(
-            batch, self.cfg.max_tokens_per_micro_batch, pack=True, fields=fields,
-            seq_fields=sequence_fields(batch.num_sequences, loss_cfg, critic=critic),
-            subset=local,
-        ) if local else []
+        mbs = loss_micro_batches(
+            batch, loss_cfg, critic=critic, max_tokens=self.cfg.max_tokens_per_micro_batch,
+            pack=True, loss_weights=loss_weights, sharded=self.local_batches, subset=local)
+        if not local:  # the batch was still checked; this rank has nothing to train on
+            mbs = []
         if not mbs:
             raise ConfigError("this data-parallel rank got no sequences; use a bigger batch")
         # the schedule divides each micro-batch loss by their number and DDP averages over DP;
@@ -457,14 +449,32 @@ class MegatronBackend:
         outs = self._run_schedule(mbs, loss_fn, forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         self.step += 1
+        metrics = self._reduced_metrics(outs)
+        metrics.update(grad_norm=float(grad_norm or 0.0), update_ok=float(bool(ok)),
+                       lr=float(self.optimizer.param_groups[0]["lr"]),
+                       # the bookkeeping keys TorchBackend reports, which the loop logs
+                       num_tokens=float(batch.num_tokens),
+                       num_loss_tokens=float(batch.num_loss_tokens),
+                       num_micro_batches=float(len(mbs)),
+                       step_time_s=time.perf_counter() - start,
+                       logprobs_s=logprobs_s)  # the reference forward inside this step
+        return metrics
+
+    def _reduced_metrics(self, outs: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """The micro-batches' metrics summed (maxed: `MAX_METRICS`) over micro-batches,
+        data-parallel ranks and pipeline stages."""
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from palaestra.trainers.algorithms.objective import MAX_METRICS
+
         names = sorted({k for o in outs for k in o})
         if ps.get_pipeline_model_parallel_world_size() > 1:
             # only the last stage computed losses: take its metric names everywhere
             all_names: list[Any] = [None] * ps.get_pipeline_model_parallel_world_size()
             dist.all_gather_object(all_names, names, group=ps.get_pipeline_model_parallel_group())
             names = max(all_names, key=len)
-        from palaestra.trainers.algorithms.objective import MAX_METRICS
-
         zero = torch.zeros((), device=self.device)
         maxed = [k for k in names if k in MAX_METRICS]  # e.g. the largest logprob mismatch
         names = [k for k in names if k not in MAX_METRICS]
@@ -481,14 +491,6 @@ class MegatronBackend:
                             group=ps.get_pipeline_model_parallel_group())
         metrics = {k: float(v) for k, v in zip(names, sums.tolist())}
         metrics.update({k: float(v) for k, v in zip(maxed, maxima.tolist())})
-        metrics.update(grad_norm=float(grad_norm or 0.0), update_ok=float(bool(ok)),
-                       lr=float(self.optimizer.param_groups[0]["lr"]),
-                       # the bookkeeping keys TorchBackend reports, which the loop logs
-                       num_tokens=float(batch.num_tokens),
-                       num_loss_tokens=float(batch.num_loss_tokens),
-                       num_micro_batches=float(len(mbs)),
-                       step_time_s=time.perf_counter() - start,
-                       logprobs_s=logprobs_s)  # the reference forward inside this step
         return metrics
 
     def state_dict_for_engines(

@@ -58,7 +58,7 @@ class MegatronBackendConfig(OptimizerSettings):
     packed_attention: Literal["auto", "varlen", "per_sequence"] = "auto"
     """Attention over packs of several sequences: torch's varlen flash kernel (one launch per
     layer), or one causal SDPA call (cuDNN flash) per sequence, cut at host-side boundaries.
-    "auto": per sequence for packs of up to 4 sequences (`attention_core.PER_SEQUENCE_MAX`;
+    "auto": per sequence for packs of up to 4 sequences (`palaestra.trainers.attention.PER_SEQUENCE_MAX`;
     measured 1.9x faster than varlen for a 4096-token sequence on an H200), varlen for more."""
 
     fused_swiglu: bool = False

@@ -9,24 +9,24 @@ is the only place that knows their signatures.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from palaestra.errors import ConfigError
+from palaestra.trainers.loss_inputs import LOSS_WEIGHTS as WEIGHTS
 
 if TYPE_CHECKING:
     import torch
 
-    from palaestra.trainers.batching import MicroBatch
+    from palaestra.trainers.algorithms.config import LossConfig
+    from palaestra.trainers.micro_batches import MicroBatch
 
-WEIGHTS = "loss_weights"
 
-
-def needs_entropy(loss_cfg: Any) -> bool:
-    return loss_cfg.objective != "dpo" and float(getattr(loss_cfg, "entropy_coef", 0.0)) > 0.0
+def needs_entropy(loss_cfg: LossConfig) -> bool:
+    return loss_cfg.objective != "dpo" and loss_cfg.entropy_coef > 0.0
 
 
 def critic_loss(
-    loss_cfg: Any, mb: MicroBatch, values: torch.Tensor
+    loss_cfg: LossConfig, mb: MicroBatch, values: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The critic's (clipped) value loss of one micro-batch."""
     from palaestra.trainers.algorithms.objective import value_loss_micro
@@ -37,7 +37,7 @@ def critic_loss(
 
 
 def micro_batch_loss(
-    loss_cfg: Any, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None
+    loss_cfg: LossConfig, mb: MicroBatch, logp: torch.Tensor, entropy: torch.Tensor | None
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one micro-batch (already weighted for the whole batch) and its metric sums."""
     from palaestra.trainers.algorithms.objective import (

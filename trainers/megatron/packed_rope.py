@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import torch
 
 
-def install(gpt_model: Any) -> bool:
+def install(gpt_model: torch.nn.Module) -> bool:
     """Wrap ``gpt_model.rotary_pos_emb.forward``; False (nothing done) for models without plain
     RoPE (multi-latent attention computes its own)."""
     rope = getattr(gpt_model, "rotary_pos_emb", None)
@@ -73,7 +73,7 @@ def _route_exact_mapping_to_one_rotation() -> None:
     rope_utils._apply_rotary_pos_emb_thd = apply_thd
 
 
-def set_positions(gpt_model: Any, positions: torch.Tensor | None) -> None:
+def set_positions(gpt_model: torch.nn.Module, positions: torch.Tensor | None) -> None:
     """Position id of every packed token (``[tokens]``, on the device) for the next forward."""
     rope = getattr(gpt_model, "rotary_pos_emb", None)
     if rope is not None and getattr(rope, "palaestra_packed", False):

@@ -1,7 +1,7 @@
 """Megatron core-attention module backed by torch SDPA, for layer specs without transformer-engine.
 
 This module imports megatron-core at the top: import it only where megatron is installed (the
-layer-spec builder does so lazily). The maths lives in `attention_core`, which CPU tests cover.
+layer-spec builder does so lazily). The maths lives in `palaestra.trainers.attention`, which CPU tests cover.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from palaestra.errors import ConfigError
-from palaestra.trainers.megatron.attention_core import sdpa_bshd, sdpa_thd, use_per_sequence
+from palaestra.trainers.attention import sdpa_bshd, sdpa_thd, use_per_sequence
 
 
 class SDPAttention(MegatronModule):

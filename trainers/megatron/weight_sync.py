@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from palaestra.errors import EngineError
 from palaestra.engines.weights.weight_transfer import TransferStats, bucketize
+from palaestra.errors import EngineError
 from palaestra.trainers.megatron.arch import ModelArch
 from palaestra.trainers.megatron.weights import iter_hf_weights
 
@@ -30,7 +30,7 @@ SyncStats = TransferStats  # one timing record for every sync path
 
 
 def iter_hf_buckets(
-    model: Any, arch: ModelArch, *, bucket_bytes: int = 1 << 30, dtype: torch.dtype | None = None,
+    model: torch.nn.Module, arch: ModelArch, *, bucket_bytes: int = 1 << 30, dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
 ) -> Iterator[Bucket]:
     """HF-named full tensors of this pipeline stage, in buckets (collective over TP/EP).
@@ -51,7 +51,7 @@ def _synchronize() -> None:
 
 
 def sync_weights(
-    model: Any,
+    model: torch.nn.Module,
     arch: ModelArch,
     consumer: Callable[[Bucket], None],
     *,
@@ -71,7 +71,7 @@ def sync_weights(
     return SyncStats(time.perf_counter() - start, nbytes, tensors, buckets)
 
 
-def module_copier(module: Any) -> Callable[[Bucket], None]:
+def module_copier(module: torch.nn.Module) -> Callable[[Bucket], None]:
     """Consumer that copies HF-named tensors in place into ``module``'s parameters (and buffers).
 
     Understands transformers-5 fused experts (``experts.gate_up_proj[j]`` / ``down_proj[j]``).

@@ -17,7 +17,7 @@ Torch-free (pydantic only), like the rest of the config tree.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
@@ -49,9 +49,9 @@ class CriticSection(Section):
     placement: Literal["colocate"] = "colocate"
     """Where the critic runs: "colocate" = in the trainer process, on the policy's devices
     (the only placement for now; a trainer group of its own comes with distributed training)."""
-    torch: dict[str, Any] = Field(default_factory=dict)
+    torch: dict[str, object] = Field(default_factory=dict)
     """Further ``trainer.torch`` settings for the critic only (applied over the policy's)."""
-    megatron: dict[str, Any] = Field(default_factory=dict)
+    megatron: dict[str, object] = Field(default_factory=dict)
     """Further ``trainer.megatron`` settings for the critic only (applied over the policy's);
     in one process the critic shares the policy's tp/pp layout."""
 

@@ -20,16 +20,42 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from palaestra.trainers.algorithms import compute_advantages
+from palaestra.trainers.algorithms.estimators import compute_advantages
 from palaestra.trainers.batching import TrainBatch
 
 if TYPE_CHECKING:
+    from palaestra.contracts import TrainerBackend
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.ppo.config import CriticSection
+
+    Actor = TrainerBackend[TrainBatch, LossConfig]
+
+
+class Critic(Protocol):
+    """PPO's value model (a backend built with a value head): what a step and a checkpoint
+    call on it. It never goes to the engines."""
+
+    def forward_values(self, batch: TrainBatch) -> list[torch.Tensor]:
+        """``V_t`` (estimated before token ``t``), one tensor per sequence."""
+        ...
+
+    def train_step(self, batch: TrainBatch, loss_cfg: LossConfig, /) -> dict[str, float]:
+        """One optimizer step of the value loss; float metrics."""
+        ...
+
+    def save(self, directory: str | Path, /, *, extra: dict[str, object] | None = None) -> Path:
+        ...
+
+    def load(self, directory: str | Path, /) -> dict[str, object]:
+        ...
+
+    def export_hf(self, directory: str | Path, /, *, dtype: torch.dtype | None = None) -> Path:
+        ...
 
 
 class PPOTrainerSettings(Protocol):
@@ -113,7 +139,7 @@ def _as_critic_keys(metrics: dict[str, float]) -> dict[str, float]:
     return {k if k.startswith("critic/") else f"critic/{k}": v for k, v in metrics.items()}
 
 
-def ppo_step(cfg: PPOSettings, actor: Any, critic: Any, batch: TrainBatch, step: int
+def ppo_step(cfg: PPOSettings, actor: Actor, critic: Critic, batch: TrainBatch, step: int
              ) -> PPOStepResult:
     """Values, GAE and the PPO epochs of rollout batch ``step`` (see the module docstring)."""
     loss = cfg.trainer.loss
@@ -169,7 +195,7 @@ def ppo_step(cfg: PPOSettings, actor: Any, critic: Any, batch: TrainBatch, step:
     return PPOStepResult(batch, metrics, times, skipped)
 
 
-def with_reward_kl_logprobs(actor: Any, batch: TrainBatch, loss: Any) -> TrainBatch:
+def with_reward_kl_logprobs(actor: Actor, batch: TrainBatch, loss: LossConfig) -> TrainBatch:
     """The batch with reference logprobs when the KL is a reward penalty (``kl_mode =
     "reward"``): they must be there before the advantages (any estimator)."""
     if loss.kl_coef > 0 and loss.kl_mode == "reward" and batch.ref_logprobs is None:
@@ -177,5 +203,5 @@ def with_reward_kl_logprobs(actor: Any, batch: TrainBatch, loss: Any) -> TrainBa
     return batch
 
 
-__all__ = ["PPOSettings", "PPOStepResult", "mini_batches", "ppo_step", "update_skipped", "value_stats",
+__all__ = ["Critic", "PPOSettings", "PPOStepResult", "mini_batches", "ppo_step", "update_skipped", "value_stats",
            "with_reward_kl_logprobs"]

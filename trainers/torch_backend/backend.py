@@ -36,22 +36,20 @@ from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.algorithms.objective import (
     MAX_METRICS,
     PAIR_WEIGHT,
-    batch_loss_weights,
-    check_train_batch,
     dpo_loss_micro,
     merge_metric,
     rl_loss,
-    sequence_fields,
     sft_loss_micro,
     value_loss_micro,
 )
-from palaestra.trainers.batching import (
+from palaestra.trainers.batching import TrainBatch
+from palaestra.trainers.micro_batches import (
     MicroBatch,
-    TrainBatch,
     build_micro_batch,
     make_micro_batches,
     split_across_ranks,
 )
+from palaestra.trainers.loss_inputs import LOSS_WEIGHTS, loss_micro_batches, runs_ref_forward
 from palaestra.trainers.torch_backend import checkpoint as ckpt
 from palaestra.trainers.torch_backend.config import TorchBackendConfig
 from palaestra.trainers.torch_backend.distributed import (
@@ -89,7 +87,7 @@ def _varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       scaling: float | None = None, dropout: float = 0.0, **kwargs: Any
                       ) -> tuple[torch.Tensor, None]:
     """HF attention function over one packed row: q ``[1, H, T, D]`` -> ``[1, T, H, D]``."""
-    from palaestra.trainers.megatron.attention_core import sdpa_thd
+    from palaestra.trainers.attention import sdpa_thd
 
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None or query.shape[0] != 1:
@@ -425,7 +423,15 @@ class TorchBackend:
         forward (`palaestra.trainers.torch_backend.parity`)."""
         from palaestra.trainers.torch_backend.parity import full_logprobs
 
-        return full_logprobs(self, token_ids, positions)
+        if self.config.critic:
+            raise ConfigError("this backend is a critic: it has no next-token distribution")
+        if self.fsdp:
+            raise ConfigError("full_logprobs runs on one unsharded trainer process")
+        return full_logprobs(
+            token_ids, positions, model=self.model, device=self.device,
+            pack=self.config.pack_sequences, temperature=self.config.logits_temperature,
+            bitwise=self.bitwise, autocast=self._autocast,
+            hidden_states=lambda mb: self._run_model(self.model, mb, hidden=True)[0])
 
     def load_teacher(self, path: str | Path) -> None:
         """Load the frozen teacher of on-policy distillation (a Hugging Face folder with the
@@ -467,7 +473,7 @@ class TorchBackend:
         if self.config.critic:
             values, _ = self._token_stats(self.model, mb, with_entropy=False)
             return value_loss_micro(
-                cfg, values=values, weights=f["weights"], old_values=f["old_values"],
+                cfg, values=values, weights=f[LOSS_WEIGHTS], old_values=f["old_values"],
                 returns=f["returns"],
             )
         logp, entropy = self._policy_logprobs(
@@ -475,14 +481,14 @@ class TorchBackend:
             entropy_grad=cfg.objective == "rl" and cfg.entropy_coef > 0,
         )
         if cfg.objective == "sft":
-            return sft_loss_micro(logp=logp, weights=f["weights"], entropy=entropy)
+            return sft_loss_micro(logp=logp, weights=f[LOSS_WEIGHTS], entropy=entropy)
         if cfg.objective == "dpo":
             return dpo_loss_micro(
                 cfg, logp=logp, ref_logp=f["ref_logprobs"], loss_mask=f["loss_mask"],
                 seq_index=mb.seq_index, pair_weights=mb.seq_fields[PAIR_WEIGHT][0::2],
             )
         return rl_loss(
-            cfg, logp=logp, weights=f["weights"], loss_mask=f["loss_mask"],
+            cfg, logp=logp, weights=f[LOSS_WEIGHTS], loss_mask=f["loss_mask"],
             advantages=f["advantages"], old_logp=f.get("old_logprobs"),
             ref_logp=f.get("ref_logprobs"), rollout_logp=f.get("rollout_logprobs"),
             entropy=entropy, seq_index=mb.seq_index,
@@ -501,36 +507,17 @@ class TorchBackend:
         ``step_time_s``, ``logprobs_s`` (the reference forward inside the step; 0 without).
         """
         start = time.perf_counter()
-        check_train_batch(batch, loss_cfg, critic=self.config.critic)
+        critic = self.config.critic
         logprobs_s = 0.0
-        if (
-            not self.config.critic
-            and loss_cfg.needs_ref_logprobs
-            and loss_cfg.kl_mode == "loss"
-            and batch.ref_logprobs is None
-            and (self.ref_model is not None or (self.lora is not None and self.config.ref_model))
-        ):
+        has_reference = self.ref_model is not None or (
+            self.lora is not None and self.config.ref_model)  # LoRA: the base is the reference
+        if runs_ref_forward(batch, loss_cfg, critic=critic, has_reference=has_reference):
             batch = batch.replace(ref_logprobs=self.forward_logprobs(batch, ref=True))
             logprobs_s = time.perf_counter() - start
-        if loss_weights is None and self.local_batches:
-            raise ConfigError("a data-parallel shard needs the whole batch's loss_weights")
-        fields: dict[str, Sequence[torch.Tensor]] = {
-            "weights": batch_loss_weights(batch, loss_cfg) if loss_weights is None
-            else tuple(loss_weights),
-            "loss_mask": batch.loss_mask,
-        }
-        for name in ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs",
-                     "old_values", "returns"):
-            if getattr(batch, name) is not None:
-                fields[name] = getattr(batch, name)
-        if not (loss_cfg.tis_cap is not None or loss_cfg.objective == "rl"):
-            fields.pop("rollout_logprobs", None)
-        seq_fields = sequence_fields(batch.num_sequences, loss_cfg, critic=self.config.critic)
-        with span("trainer_data"):
-            micro = make_micro_batches(
-                batch, self.config.max_tokens_per_micro_batch, pack=self.config.pack_sequences,
-                fields=fields, seq_fields=seq_fields, subset=self._rank_subset(batch),
-            )
+        micro = loss_micro_batches(
+            batch, loss_cfg, critic=critic, max_tokens=self.config.max_tokens_per_micro_batch,
+            pack=self.config.pack_sequences, loss_weights=loss_weights,
+            sharded=self.local_batches, subset=self._rank_subset(batch))
         steps = all_reduce_max_int(len(micro), self.dist)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)

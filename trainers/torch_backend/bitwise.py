@@ -1,6 +1,6 @@
 """The torch backend's forward in bitwise on-policy mode (``trainer.on_policy = "bitwise"``).
 
-The policy's logprobs come from `palaestra.engines.local.bitwise_forward`, the forward the
+The policy's logprobs come from `palaestra.engines.bitwise.forward`, the forward the
 embedded engine runs in the same mode, over the Hugging Face model's own parameters fused into
 the engine's layout (q/k/v and gate/up concatenated, cast to the engine's dtype: the cast is the
 one a weight push applies) and the engine's rotary tables. Each sampled token's logprob then has
@@ -9,7 +9,7 @@ the first update's importance ratios are exactly 1. Autograd runs through all of
 concatenations, the casts and every batch-invariant operation), so training needs nothing else.
 
 A peft LoRA policy is covered: each adapted projection's weight is ``W_base + s B A`` built by
-`palaestra.engines.local.lora.merged_weight`, the function the engine merges the pushed adapter
+`palaestra.engines.bitwise.lora_merge.merged_weight`, the function the engine merges the pushed adapter
 with, on the same float32 matrices, so the merged weights have the engine's bits while autograd
 carries the gradient to A and B (the base stays frozen). A disabled adapter (the KL reference)
 leaves the base weights.
@@ -29,8 +29,8 @@ from palaestra.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from palaestra.engines.local.bitwise_forward import BitwiseWeights
-    from palaestra.trainers.batching import MicroBatch
+    from palaestra.engines.bitwise.forward import BitwiseWeights
+    from palaestra.trainers.micro_batches import MicroBatch
 
 #: sampled positions per chunk of the output layer + log-softmax; each chunk is recomputed in
 #: the backward instead of keeping its float32 ``[rows, vocab]`` logits
@@ -43,8 +43,8 @@ def fused_weights(model: torch.nn.Module, dtype: torch.dtype,
     ``rope``: the (cos, signed sin) tables when the caller keeps them (else built here)."""
     import torch
 
-    from palaestra.engines.local.bitwise_forward import BitwiseWeights, FusedLayer
-    from palaestra.engines.local.model import DecoderConfig, signed_rope_tables
+    from palaestra.engines.bitwise.decoder_config import DecoderConfig, signed_rope_tables
+    from palaestra.engines.bitwise.forward import BitwiseWeights, FusedLayer
 
     hf_config: Any = model.config
     config = DecoderConfig.from_hf(hf_config)
@@ -61,7 +61,7 @@ def fused_weights(model: torch.nn.Module, dtype: torch.dtype,
         base: torch.Tensor = proj.weight  # type: ignore[assignment]
         if lora is None:
             return base.to(dtype)
-        from palaestra.engines.local.lora import merged_weight
+        from palaestra.engines.bitwise.lora_merge import merged_weight
 
         # the engine's base is the weight cast to its dtype; the merge sums in float32
         return merged_weight(base.to(dtype), *lora, invariant=True, dtype=dtype)
@@ -126,8 +126,8 @@ def _head(weights: BitwiseWeights, h: torch.Tensor, targets: torch.Tensor,
     row's distribution, from one pass of the output layer and the invariant log-softmax."""
     import torch
 
-    from palaestra.engines.local import bitwise_forward as bf
-    from palaestra.engines.local.invariant import divide_by_temperature, log_softmax
+    from palaestra.engines.bitwise import forward as bf
+    from palaestra.engines.bitwise.invariant import divide_by_temperature, log_softmax
 
     t = temperature if temperature > 1e-6 else 1.0
     logp_all = log_softmax(divide_by_temperature(bf.logits(weights, h), t))
@@ -141,7 +141,7 @@ class BitwiseForward:
     """The bitwise forward of one policy: its rotary tables, built once."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
-        from palaestra.engines.local.model import DecoderConfig, signed_rope_tables
+        from palaestra.engines.bitwise.decoder_config import DecoderConfig, signed_rope_tables
 
         self.dtype = dtype
         device = next(model.parameters()).device
@@ -170,7 +170,7 @@ def _hidden(model: torch.nn.Module, mb: MicroBatch, dtype: torch.dtype,
     and the row of ``h`` of each ``[R * L]`` position of the micro-batch (-1 at padding)."""
     import torch
 
-    from palaestra.engines.local import bitwise_forward as bf
+    from palaestra.engines.bitwise import forward as bf
 
     weights = fused_weights(model, dtype, rope)
     present = mb.seq_index >= 0
@@ -193,8 +193,8 @@ def full_logprobs(model: torch.nn.Module, mb: MicroBatch, flat_rows: torch.Tenso
     of the tokens after them, with the bits the engine's bitwise sampler computes."""
     import torch
 
-    from palaestra.engines.local import bitwise_forward as bf
-    from palaestra.engines.local.invariant import divide_by_temperature, log_softmax
+    from palaestra.engines.bitwise import forward as bf
+    from palaestra.engines.bitwise.invariant import divide_by_temperature, log_softmax
 
     with torch.no_grad():
         weights, h, slot = _hidden(model, mb, dtype, rope)

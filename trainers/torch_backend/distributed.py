@@ -126,7 +126,7 @@ def all_reduce_max_int(value: int, info: DistInfo) -> int:
     return int(buf.item())
 
 
-def all_gather_objects(obj: Any, info: DistInfo) -> list[Any]:
+def all_gather_objects(obj: object, info: DistInfo) -> list[Any]:
     """Every rank's ``obj`` (picklable), in rank order."""
     if not info.is_distributed:
         return [obj]

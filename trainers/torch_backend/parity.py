@@ -11,70 +11,60 @@ path computes it (`logprobs.token_logprobs`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from palaestra.errors import ConfigError
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     import torch
 
-    from palaestra.trainers.batching import MicroBatch
-    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.micro_batches import MicroBatch
+    from palaestra.trainers.torch_backend.bitwise import BitwiseForward
 
 
-def full_logprobs(backend: TorchBackend, token_ids: Sequence[Sequence[int]],
-                  positions: Sequence[Sequence[int]]) -> torch.Tensor:
+def full_logprobs(token_ids: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], *,
+                  model: torch.nn.Module, device: torch.device, pack: bool, temperature: float,
+                  bitwise: BitwiseForward | None,
+                  hidden_states: Callable[[MicroBatch], torch.Tensor],
+                  autocast: Callable[[], AbstractContextManager[object]]) -> torch.Tensor:
     """Float32 ``[P, V]`` on the CPU, P the number of positions in all, sequence after
-    sequence (see `TorchBackend.full_logprobs`)."""
+    sequence (see `TorchBackend.full_logprobs`, which passes its model, its forward to the last
+    hidden states and its autocast)."""
     import torch
 
-    from palaestra.trainers.batching import build_micro_batch
+    from palaestra.trainers.micro_batches import build_micro_batch
 
-    if backend.config.critic:
-        raise ConfigError("this backend is a critic: it has no next-token distribution")
-    if backend.fsdp:
-        raise ConfigError("full_logprobs runs on one unsharded trainer process")
     if len(token_ids) != len(positions):
         raise ValueError("one list of positions per sequence")
     for ids, pos in zip(token_ids, positions):
         if any(not 1 <= p < len(ids) for p in pos):
             raise ValueError(f"positions {list(pos)} outside 1..{len(ids) - 1}")
     seqs = [torch.tensor(list(ids), dtype=torch.long) for ids in token_ids]
-    mb = build_micro_batch(seqs, list(range(len(seqs))),
-                           pack=backend.config.pack_sequences).to(backend.device)
+    mb = build_micro_batch(seqs, list(range(len(seqs))), pack=pack).to(device)
     width = mb.input_ids.shape[1]
     # the hidden state that predicts token t of a sequence sits one position before it
     flat = [row * width + start + p - 1
             for (row, start, _), pos in zip(mb.spans, positions) for p in pos]
-    rows = torch.tensor(flat, dtype=torch.long, device=backend.device)
-    temperature = backend.config.logits_temperature
-    model = backend.model
+    rows = torch.tensor(flat, dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
     try:
-        if backend.bitwise is not None:
-            out = backend.bitwise.full_logprobs(model, mb, rows, temperature=temperature)
+        if bitwise is not None:
+            out = bitwise.full_logprobs(model, mb, rows, temperature=temperature)
         else:
-            out = _default_full_logprobs(backend, mb, rows, temperature)
+            head = model.get_output_embeddings()  # type: ignore[operator]
+            with torch.no_grad():
+                hidden = hidden_states(mb)
+                with autocast():
+                    logits = head(hidden.reshape(-1, hidden.shape[-1])[rows])
+            t = temperature if temperature > 1e-6 else 1.0
+            out = torch.log_softmax(logits.float() / t, dim=-1)
     finally:
         if was_training:
             model.train()
     return out.float().cpu()
-
-
-def _default_full_logprobs(backend: TorchBackend, mb: MicroBatch, rows: torch.Tensor,
-                           temperature: float) -> torch.Tensor:
-    import torch
-
-    model = backend.model
-    head = model.get_output_embeddings()  # type: ignore[operator]
-    with torch.no_grad():
-        hidden, _ = backend._run_model(model, mb, hidden=True)
-        with backend._autocast():
-            logits = head(hidden.reshape(-1, hidden.shape[-1])[rows])
-    t = temperature if temperature > 1e-6 else 1.0
-    return torch.log_softmax(logits.float() / t, dim=-1)
 
 
 __all__ = ["full_logprobs"]

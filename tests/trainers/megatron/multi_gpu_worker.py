@@ -14,7 +14,7 @@ import torch
 def main() -> None:
     import transformers
 
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.trainers.megatron.backend import MegatronBackend
     from palaestra.trainers.megatron.config import MegatronBackendConfig

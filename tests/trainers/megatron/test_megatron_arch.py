@@ -82,7 +82,8 @@ def test_backend_config_validates():
 def test_light_modules_import_neither_torch_nor_megatron():
     code = (
         "import sys\n"
-        "from palaestra.trainers.megatron import ModelArch, MegatronBackendConfig\n"
+        "from palaestra.trainers.megatron.arch import ModelArch\n"
+        "from palaestra.trainers.megatron.config import MegatronBackendConfig\n"
         "from palaestra.trainers.megatron import arch, config, flops\n"
         "heavy = [m for m in ('torch', 'megatron', 'transformers') if m in sys.modules]\n"
         "assert not heavy, heavy\n"

@@ -97,7 +97,7 @@ def _backend(model: Any, **cfg: Any) -> Any:
 def test_attention_kernels_on_gpu():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from palaestra.trainers.megatron.attention_core import sdpa_bshd, sdpa_thd
+    from palaestra.trainers.attention import sdpa_bshd, sdpa_thd
 
     g = torch.Generator(device="cuda").manual_seed(0)
     lengths = [700, 1, 2048, 300]
@@ -152,7 +152,7 @@ def test_logprobs_match_hf_in_float32(family):
 def test_qwen3_bf16_logprobs_train_sync_and_checkpoint(tmp_path):
     import copy
 
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.megatron.weight_sync import module_copier
 
     truth = _hf("qwen3", torch.float32, **QWEN3_SMALL)
@@ -212,7 +212,7 @@ def test_qwen3_bf16_logprobs_train_sync_and_checkpoint(tmp_path):
 
 
 def test_qwen3_moe_logprobs_and_train_step():
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
 
     cfg = {"vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
            "moe_intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
@@ -234,7 +234,7 @@ def test_qwen3_moe_logprobs_and_train_step():
 
 
 def test_reference_policy_swapped_in_and_policy_restored():
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
 
     cfg = dict(QWEN3_SMALL, num_hidden_layers=2, vocab_size=32000)
     model = _hf("qwen3", torch.float32, **cfg)
@@ -271,7 +271,7 @@ DEEPSEEK_SMALL = {  # MLA with YaRN (positions past 256 are scaled), sigmoid gro
 
 
 def test_deepseek_v3_logprobs_train_and_sync():
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.megatron.weight_sync import module_copier
 
     model = _hf("deepseek_v3", torch.float32, **DEEPSEEK_SMALL)
@@ -300,7 +300,7 @@ def test_deepseek_v3_logprobs_train_and_sync():
 
 
 def test_per_sequence_packed_attention_matches_varlen():
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
 
     cfg = dict(QWEN3_SMALL, num_hidden_layers=2, vocab_size=32000)
     model = _hf("qwen3", torch.bfloat16, **cfg)

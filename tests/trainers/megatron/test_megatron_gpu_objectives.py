@@ -47,8 +47,10 @@ def _save(tmp_path: Path, *, critic: bool) -> Path:
 
 
 def _backends(path: Path, **common: Any) -> tuple[Any, Any]:
-    from palaestra.trainers.megatron import MegatronBackend, MegatronBackendConfig
-    from palaestra.trainers.torch_backend import TorchBackend, TorchBackendConfig
+    from palaestra.trainers.megatron.backend import MegatronBackend
+    from palaestra.trainers.megatron.config import MegatronBackendConfig
+    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
     torch_cfg = TorchBackendConfig(device="cuda", dtype="float32", param_dtype="float32",
                                    lr=1e-3, max_grad_norm=1.0, **common)
@@ -89,7 +91,7 @@ def test_dpo_matches_the_torch_backend(tmp_path):
     (all margins within rounding of 0 at step 0) and compares the accuracy on the steps where every
     pair's margin is far from 0 on both backends (it asserts that such steps exist).
     """
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
 
     path = _save(tmp_path, critic=False)
@@ -121,7 +123,7 @@ def test_critic_matches_the_torch_backend_and_exports_to_hf(tmp_path):
     import transformers
 
     from palaestra.errors import ConfigError
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
 
     path = _save(tmp_path, critic=True)

@@ -31,7 +31,7 @@ plain torch in float32: the trainer needs the forward's bits, not the backward's
 
 Triton is optional: the module imports without it, and `available` says whether the path can
 run (CUDA and an importable Triton); the CPU path lives in
-``palaestra.engines.local.invariant``. The kernels also run on CPU tensors in Triton's
+``palaestra.engines.bitwise.invariant``. The kernels also run on CPU tensors in Triton's
 interpreter (``TRITON_INTERPRET=1`` set before Triton is imported), which the tests use; the
 interpreter's dot is numpy's float32 matmul of the same fixed tiles, whose rounding is the host
 BLAS's (it varies with the CPU and with a row's place in the tile), so on CPU the tests check the
@@ -44,7 +44,7 @@ import functools
 from typing import TYPE_CHECKING, Any
 
 # whether this path can run is the split-KV kernel's question too: CUDA and an importable Triton
-from palaestra.engines.local.decode_attention import available
+from palaestra.engines.triton_device import available
 
 if TYPE_CHECKING:
     import torch

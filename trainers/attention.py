@@ -1,4 +1,5 @@
-"""Causal attention on Megatron's tensor layouts through torch's fused kernels (no megatron import).
+"""Causal attention on packed and padded layouts through torch's fused kernels, shared by the torch
+and Megatron backends (no megatron import).
 
 Megatron hands core attention ``[s, b, heads, dim]`` tensors, or ``[t, heads, dim]`` for packed
 sequences ("thd") with cumulative sequence lengths. These functions run

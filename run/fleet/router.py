@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 from palaestra.config import Problem
 
 if TYPE_CHECKING:
-    from palaestra.run.config import TrainConfig
+    from palaestra.run.sections import RunSettings
 
 
-def router_problems(cfg: TrainConfig) -> list[Problem]:
+def router_problems(cfg: RunSettings) -> list[Problem]:
     """Why ``engine.router = "sglang"`` cannot route this run's requests."""
     e = cfg.engine
     if e.router != "sglang":
@@ -27,7 +27,7 @@ def router_problems(cfg: TrainConfig) -> list[Problem]:
                 "engine.router_args are flags of SGLang's router: set engine.router = 'sglang' "
                 "too, or drop them"))]
         return []
-    from palaestra.run.run_engines import engine_actor_count
+    from palaestra.run.fleet.start import engine_actor_count
 
     out = []
     if e.kind != "sglang":
@@ -47,7 +47,7 @@ def router_problems(cfg: TrainConfig) -> list[Problem]:
     return out
 
 
-def router_launch_problems(cfg: TrainConfig) -> list[Problem]:
+def router_launch_problems(cfg: RunSettings) -> list[Problem]:
     """``engine.router = "sglang"`` on a machine without ``sglang-router``: the install hint."""
     if cfg.engine.router != "sglang":
         return []

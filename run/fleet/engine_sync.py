@@ -1,42 +1,39 @@
-"""Weights from the training backend to the rollout engines after every step, by one path.
+"""The path of the weights from the training backend to the rollout engines, by one path.
 
 `EngineSync.from_config` picks the path of ``[engine.weight_sync]``: the embedded engine's
 tensors overwritten in process; SGLang servers through a weight-update group (NCCL or gloo
 broadcast), CUDA IPC handles (``ipc``: servers colocated on this host's GPU map the trainer's
-memory, bucket by bucket), through disk, or base64 tensors over HTTP.
-`EngineSync.weights_of(backend)` is the `WeightPush` the rollout manager runs between pausing
-and resuming generation; `last` holds the timing of the newest push (logged as ``sync/*``).
-`palaestra.run.weight_pushes.choose_push` picks one push class per backend at its first push,
-from typed capabilities.
+memory, bucket by bucket), through disk, or base64 tensors over HTTP. The push itself is one
+class per path (`palaestra.run.fleet.weight_pushes.build_push`, built once per run from typed
+capabilities); `EngineSync` holds what they share: the sender, the bucket size, the dtype.
 
 A trainer group pushing to servers (`palaestra.trainers.group.push.PushesOwnWeights`) sends the
 weights from its rank 0 itself: `EngineSync` gives it the path (`push_spec`: the method, the
-servers' URLs, the rendezvous or folder) and reads the servers' weight versions back afterwards;
-the tensors never reach this process. The embedded engine lives in this process, so a group
-feeding it still brings the weights here.
+servers' URLs, the rendezvous or folder); the tensors never reach this process. The embedded
+engine lives in this process, so a group feeding it still brings the weights here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeGuard, cast
+from typing import TYPE_CHECKING, Any
 
-from palaestra.contracts import AdapterSettings, AdapterTrainer
-from palaestra.engine import AdapterServing
+from palaestra.engine import OnDevice
 from palaestra.errors import ConfigError
-from palaestra.run.weight_pushes import SyncPush, choose_push
 
 if TYPE_CHECKING:
+    import torch
+
     from palaestra.contracts import WeightSource
     from palaestra.engine import Engine
-    from palaestra.engines import LocalEngine
-    from palaestra.engines.clients.sglang import SGLangClient, SGLangEngine
+    from palaestra.engines.local.local import LocalEngine
+    from palaestra.engines.clients.sglang import SGLangEngine
+    from palaestra.engines.clients.sglang_client import SGLangClient
     from palaestra.engines.weights.weight_transfer import TransferStats
-    from palaestra.run.config import EngineSection
-    from palaestra.trainers.group.push import EnginePushSpec, PushesOwnWeights
+    from palaestra.run.sections import EngineSection
+    from palaestra.run.fleet.actors import EngineGroup
+    from palaestra.trainers.group.push import EnginePushSpec
 
 
 def resolve_method(engine: EngineSection, *, colocate: bool = False) -> str:
@@ -70,43 +67,44 @@ def _servers(engine: LocalEngine | SGLangEngine, method: str) -> list[SGLangClie
 
 
 class EngineSync:
-    """One sync path, its sender (for SGLang servers) and the timing of the last push."""
+    """One sync path: its sender (for SGLang servers), bucket size and dtype, and where LoRA
+    adapters go (``lora_servers``, ``adapter_dir``)."""
 
     def __init__(self, method: str, engine: Engine, *, sender: Any = None, bucket_bytes: int,
-                 dtype: Any = None, device: str = "cpu") -> None:
+                 dtype: torch.dtype | None = None, device: str = "cpu", lora_servers: bool = False,
+                 adapter_dir: Path | None = None) -> None:
         self.method = method
         self.engine = engine
         self.sender = sender
         self.bucket_bytes = bucket_bytes
         self.dtype = dtype
         self.device = device
-        self.last: TransferStats | None = None
-        # LoRA to SGLang servers: the adapter as a peft folder here, loaded by the servers over
-        # /load_lora_adapter and named in every request of this process's engine (the run's
-        # loop sets it when the rollout is in process; Ray workers' own clients would not name
-        # it, so they get the merged weights by the configured path instead)
-        self.lora_servers = False
-        self.adapter_dir: Path | None = None
-        self._served_adapter: tuple[str, Path] | None = None
-        self.group_pushes = 0  # pushes a trainer group's rank 0 made itself (no relay here)
-        self._unflushed_remote: int | None = None
-        # the path of each backend, chosen at its first push (the backend is built after this)
-        self._paths: dict[int, tuple[WeightSource, SyncPush]] = {}
+        # the embedded engine's device and compute dtype (servers: host memory, their own)
+        self.engine_device: Any = engine.device if isinstance(engine, OnDevice) else "cpu"
+        self.engine_dtype: Any = engine.dtype if isinstance(engine, OnDevice) else None
+        # LoRA to SGLang servers: the adapter as a peft folder in ``adapter_dir``, loaded by the
+        # servers over /load_lora_adapter and named in every request of this process's engine
+        # (when the rollout is in process; Ray workers' own clients would not name it, so they
+        # get the merged weights by the configured path instead)
+        self.lora_servers = lora_servers
+        self.adapter_dir = adapter_dir
 
     @classmethod
     def from_config(cls, settings: EngineSection, engine: LocalEngine | SGLangEngine,
-                    policy_path: Path, *, out: str, colocate: bool = False) -> EngineSync:
+                    policy_path: Path, *, out: str, colocate: bool = False,
+                    lora_servers: bool = False) -> EngineSync:
         """The sync of ``[engine]`` (``settings``) to ``engine``; ``out``: the run directory
         (``{out}`` in ``weight_sync.dir``); ``colocate``: ``[placement] colocate`` (auto may
-        pick ``ipc``)."""
+        pick ``ipc``); ``lora_servers``: LoRA adapters to SGLang servers by name (the rollout
+        runs in this process)."""
         import torch
 
+        from palaestra.engines.weights.disk_sender import DiskWeightSender
         from palaestra.engines.weights.weight_transfer import (
-            DiskWeightSender,
             DistributedWeightSender,
             IpcWeightSender,
         )
-        from palaestra.run.config import DiskSync, DistributedSync, IpcSync
+        from palaestra.run.fleet.sync_settings import DiskSync, DistributedSync, IpcSync
 
         method = resolve_method(settings, colocate=colocate)
         e = settings.sync_settings(method)
@@ -132,45 +130,25 @@ class EngineSync:
             sender = IpcWeightSender(_servers(engine, method), timeout_s=e.timeout_s)
             device = "cuda" if torch.cuda.is_available() else "cpu"
             bucket_mb = e.bucket_mb
-        sync = cls(method, engine, sender=sender, bucket_bytes=bucket_mb << 20,
-                   dtype=dtype, device=device)
-        sync.adapter_dir = Path(out) / "lora-sync"
-        return sync
+        return cls(method, engine, sender=sender, bucket_bytes=bucket_mb << 20, dtype=dtype,
+                   device=device, lora_servers=lora_servers, adapter_dir=Path(out) / "lora-sync")
 
-    def weights_of(self, backend: WeightSource) -> BackendWeights:
-        """``backend``'s weights as a `WeightPush`, for `RolloutManager.update_weights`."""
-        return BackendWeights(self, backend)
-
-    async def push_now(self, backend: WeightSource, version: int) -> TransferStats:
-        """Move the weights now (generation should be paused) and time it, by the path
-        `choose_push` picked for ``backend`` at its first push."""
-        entry = self._paths.get(id(backend))
-        if entry is None or entry[0] is not backend:
-            entry = (backend, choose_push(self, backend))
-            self._paths[id(backend)] = entry
-        self.last = await entry[1].push(backend, version)
-        return self.last
-
-    def _pushes_itself(self, backend: object) -> TypeGuard[PushesOwnWeights]:
-        """Whether ``backend`` (a trainer group) sends the weights to the servers itself."""
-        from palaestra.trainers.group.push import REMOTE_METHODS, PushesOwnWeights
-
-        return isinstance(backend, PushesOwnWeights) and self.method in REMOTE_METHODS
-
-    def _server_clients(self) -> list[Any]:
+    def server_clients(self) -> list[SGLangClient]:
+        """The servers the pushes go to now."""
         return list(self.sender.clients) if self.sender is not None \
             else list(_servers(self.engine, self.method))  # type: ignore[arg-type]
 
     def push_spec(self) -> EnginePushSpec:
         """This sync's path as a trainer group's rank 0 takes it (see the module doc)."""
+        from palaestra.engines.weights.disk_sender import DiskWeightSender
         from palaestra.engines.weights.weight_transfer import (
-            DiskWeightSender,
             DistributedWeightSender,
             IpcWeightSender,
         )
+        from palaestra.run.fleet.actors import actor_group_of
         from palaestra.trainers.group.push import EnginePushSpec
 
-        clients = self._server_clients()
+        clients = self.server_clients()
         kw: dict[str, Any] = {}
         s = self.sender
         if isinstance(s, DistributedWeightSender):
@@ -180,67 +158,20 @@ class EngineSync:
             kw = {"directory": str(s.directory),
                   "model_dir": None if s.model_dir is None else str(s.model_dir)}
         elif isinstance(s, IpcWeightSender):  # a sender must share its server's host and GPU
-            kw = {"timeout_s": s.timeout_s, "rank_urls": _neighbour_urls(self.engine),
-                  "tp_sizes": tuple(int(getattr(c, "tp_size", 1)) for c in clients)}
+            kw = {"timeout_s": s.timeout_s, "rank_urls": _neighbour_urls(actor_group_of(self.engine)),
+                  "tp_sizes": tuple(c.tp_size for c in clients)}
         else:
-            kw = {"tp_sizes": tuple(int(getattr(c, "tp_size", 1)) for c in clients)}
+            kw = {"tp_sizes": tuple(c.tp_size for c in clients)}
         return EnginePushSpec(
             method=self.method, urls=tuple(c.url for c in clients),
             bucket_bytes=self.bucket_bytes,
             dtype=None if self.dtype is None else str(self.dtype).removeprefix("torch."), **kw)
 
-    async def push_from_group(self, backend: PushesOwnWeights, version: int,
-                              client: SGLangClient | None = None) -> TransferStats:
-        """Rank 0 of ``backend`` pushes ``version`` (to ``client`` alone: a joining server);
-        then the servers' versions are read back."""
-        from palaestra.engines.weights.weight_transfer import DistributedWeightSender
-
-        if isinstance(self.sender, DistributedWeightSender):
-            await self.sender.close()  # one weight-update group at a time (a fixed port)
-        spec = self.push_spec()
-        if client is not None:
-            spec = spec.only(client.url, int(getattr(client, "tp_size", 1)))
-        stats: TransferStats = await asyncio.to_thread(
-            backend.push_weights, spec, version, keep=client is None)
-        if client is None:
-            self.group_pushes += 1
-            last = getattr(backend, "last_push", None) or {}
-            self._unflushed_remote = last.get("unflushed")
-        clients = [client] if client is not None else self._server_clients()
-        await asyncio.gather(*(c.get_model_info() for c in clients))  # their weight_version
-        return stats
-
-    async def push_adapter_to_servers(self, backend: AdapterTrainer, version: int
-                                      ) -> TransferStats:
-        """Write the adapter as a peft folder, have every server load it under a versioned
-        name (SGLang refuses to reload a loaded name), make it the engine's default adapter
-        and unload the previous version. The servers must see this machine's disk."""
-        import shutil
-
-        from palaestra.engines.weights.weight_transfer import TransferStats
-
-        engine = self.engine
-        if self.adapter_dir is None or not isinstance(engine, AdapterServing):
-            raise ConfigError("LoRA to servers needs an engine with /load_lora_adapter "
-                              "(SGLangEngine) and a run directory (EngineSync.from_config)")
-        start = time.perf_counter()
-        lora = cast(AdapterSettings, backend.lora)  # set: only an adapter push gets here
-        name = f"{lora.adapter_name}-v{version}"
-        folder = backend.export_adapter(self.adapter_dir / name)
-        await engine.load_lora_adapter(name, str(folder))
-        old, self._served_adapter = self._served_adapter, (name, folder)
-        engine.default_lora = name
-        if old is not None and old[0] != name:
-            await engine.unload_lora_adapter(old[0])
-            shutil.rmtree(old[1], ignore_errors=True)
-        size = sum(f.stat().st_size for f in folder.iterdir() if f.suffix == ".safetensors")
-        return TransferStats(time.perf_counter() - start, size, 1, 1)
-
     async def push_checkpoint(self, path: Path, version: int) -> None:
         """Load a Hugging Face checkpoint folder into the engines (e.g. the warm-started policy):
         by path for the embedded engine, through the sender for servers, which may not see
         this machine's disk."""
-        from palaestra.engines.local.model import iter_safetensors, safetensors_files
+        from palaestra.engines.weights.checkpoint_files import iter_safetensors, safetensors_files
         from palaestra.engines.weights.weight_transfer import bucketize
 
         if self.sender is None:
@@ -249,21 +180,21 @@ class EngineSync:
         named = iter_safetensors(safetensors_files(path))
         if self.dtype is not None:
             named = ((n, t.to(self.dtype) if t.is_floating_point() else t) for n, t in named)
-        self.last = await self.sender.push(bucketize(named, self.bucket_bytes), version)
+        await self.sender.push(bucketize(named, self.bucket_bytes), version)
 
-    async def push_to(self, client: Any, backend: WeightSource, version: int) -> TransferStats:
+    async def push_to(self, client: SGLangClient, backend: WeightSource, version: int
+                      ) -> TransferStats:
         """The current weights to one more server only (an engine joining a running run), by
         the run's path: a weight-update group of that server alone, a disk version, or HTTP
-        tensors. The run's own sender is not touched (see `set_clients`)."""
+        tensors. The run's own sender is not touched (see `set_clients`); a trainer group
+        sends from its rank 0 (`palaestra.run.fleet.weight_pushes.push_to_joining`)."""
+        from palaestra.engines.weights.disk_sender import DiskWeightSender
         from palaestra.engines.weights.weight_transfer import (
-            DiskWeightSender,
             DistributedWeightSender,
             IpcWeightSender,
             TransferStats,
         )
 
-        if self._pushes_itself(backend):  # a trainer group: from its rank 0
-            return await self.push_from_group(backend, version, client=client)
         s = self.sender
         if isinstance(s, DistributedWeightSender):
             one: Any = DistributedWeightSender(
@@ -304,41 +235,16 @@ class EngineSync:
             await self.sender.close()
         self.sender.clients = list(clients)
 
-    def metrics(self) -> dict[str, float]:
-        """``sync/*`` of the last push (empty before the first), with the servers that declined
-        to flush their prefix cache afterwards (their cached prefixes predate the weights)."""
-        if self.last is None:
-            return {}
-        out = self.last.as_metrics()
-        if self._unflushed_remote is not None:
-            out["sync/unflushed_servers"] = float(self._unflushed_remote)
-        elif self.sender is not None and hasattr(self.sender, "unflushed"):
-            out["sync/unflushed_servers"] = float(self.sender.unflushed)
-        return out
-
     async def close(self) -> None:
         """Tear down the sender's weight-update group (nothing for the other paths)."""
         if self.sender is not None:
             await self.sender.close()
 
 
-@dataclass(frozen=True)
-class BackendWeights:
-    """A `palaestra.engines.weights.push.WeightPush`: the training backend's current weights
-    through the run's sync path."""
-
-    sync: EngineSync
-    backend: WeightSource
-
-    async def push(self, version: int) -> None:
-        await self.sync.push_now(self.backend, version)
-
-
-def _neighbour_urls(engine: Any) -> tuple[str, ...]:
-    """The server beside each trainer rank, by rank, when the run's engine actors share the
-    trainer group's bundles (engine i on rank i's GPU, one GPU each); else ()."""
-    group = getattr(engine, "actor_group", None)
-    if group is None or getattr(group, "placement_group", None) is None:
+def _neighbour_urls(group: EngineGroup | None) -> tuple[str, ...]:
+    """The server beside each trainer rank, by rank, when the run's engine actors (``group``)
+    share the trainer group's bundles (engine i on rank i's GPU, one GPU each); else ()."""
+    if group is None or group.placement_group is None:
         return ()
     shared = sorted((m for m in group.members if m.placement_group is None and m.gpus <= 1),
                     key=lambda m: m.index)
@@ -346,7 +252,6 @@ def _neighbour_urls(engine: Any) -> tuple[str, ...]:
 
 
 __all__ = [
-    "BackendWeights",
     "EngineSync",
     "resolve_method",
 ]

@@ -13,7 +13,7 @@ engine joined at, or why it was refused (wrong model, unreachable, already there
   the current policy goes to that server alone by the run's `EngineSync` path at the current
   version, then the router sends it requests and later pushes include it. ``add --gpus N``
   first starts an engine actor on N GPUs (0: a CPU engine) of the run's Ray cluster
-  (`palaestra.run.engine_actors`), then adds its URL the same way.
+  (`palaestra.run.fleet.actors`), then adds its URL the same way.
 - **Ray workers** (``rollout.cluster = "ray"``) route over their own routers: every change of
   the run's engines is pushed to them (`RolloutManager.set_engine_urls`): a join at the step
   boundary where it got its weights, a removal at once (each worker drains it).
@@ -35,25 +35,24 @@ requests each engine served.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
-import os
-import secrets
-import time
+import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from palaestra.errors import ConfigError, EngineError, PalaestraError
+from palaestra.run.fleet.actors import actor_group_of
 
 if TYPE_CHECKING:
-    from palaestra.contracts import WeightSource
-    from palaestra.run.engine_actors import EngineGroup
     from palaestra.engines.clients.router import Router
+    from palaestra.engines.clients.sglang import SGLangEngine
     from palaestra.engines.clients.sglang_router import SGLangRouted
     from palaestra.rollout.manager import RolloutManager
-    from palaestra.run.engine_sync import EngineSync
+    from palaestra.run.fleet.actors import EngineGroup
+    from palaestra.run.fleet.engine_sync import EngineSync
+    from palaestra.run.fleet.weight_pushes import SyncPush
 
 ADMIN_FILE = "admin.json"
 TOKEN_FILE = "admin.token"
@@ -77,6 +76,15 @@ def normalize_url(url: str) -> str:
     return url.strip().rstrip("/")
 
 
+def _config_of(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    text = data.get("text_config")  # multimodal checkpoints nest the language model's
+    return dict(text) if isinstance(text, dict) else dict(data)
+
+
 @dataclass(eq=False)
 class _Join:
     client: Any
@@ -88,14 +96,14 @@ class _Join:
 class ElasticEngines:
     """The run's side: joins and removals of the servers of an `SGLangEngine`."""
 
-    def __init__(self, engine: Any, sync: EngineSync, policy_path: Path, *,
+    def __init__(self, engine: SGLangEngine, sync: EngineSync, policy_path: Path, *,
                  cluster: str = "local", drain_timeout_s: float = 60.0,
                  manager: RolloutManager | None = None, server: str = "palaestra",
                  launch_args: tuple[str, ...] = ()) -> None:
         self.engine = engine
         self.manager = manager  # Ray workers: membership changes go to them through it
         #: the engine actors of the run (or of `add --gpus`); the launch of new ones
-        self.actors: EngineGroup | None = getattr(engine, "actor_group", None)
+        self.actors: EngineGroup | None = actor_group_of(engine)
         self._own_actors = False
         self._launch = (server, launch_args)
         self._worker_metrics: dict[str, float] = {}
@@ -109,22 +117,14 @@ class ElasticEngines:
         self._joins: list[_Join] = []
         self._clients_changed = False
         self._retired: list[Any] = []  # removed clients, closed once no push holds them
-        self._client_kw = dict(getattr(engine, "client_kw", {}))
+        self._client_kw = dict(engine.client_kw)
 
     # ------------------------------------------------------------------------ router
     def router(self) -> Router | SGLangRouted:
         """The engine's `Router` (an engine of one server gets one, so it can grow), or SGLang's
         router in front of its servers (``engine.router = "sglang"``: joins and removals go
         through its worker API)."""
-        from palaestra.engines.clients.router import Router
-        from palaestra.engines.clients.sglang_router import SGLangRouted
-
-        target = self.engine._engine()  # raises unless started
-        if not isinstance(target, (Router, SGLangRouted)):
-            target = Router(list(self.engine.clients),
-                            health_interval_s=getattr(self.engine, "health_interval_s", 5.0))
-            self.engine._target = target
-        return target
+        return self.engine.membership()  # raises unless started
 
     def urls(self) -> list[str]:
         return [c.url for c in self.engine.clients]
@@ -139,7 +139,7 @@ class ElasticEngines:
         return await self._add(url, actor=False)
 
     async def _add(self, url: str, *, actor: bool) -> dict[str, Any]:
-        from palaestra.engines.clients.sglang import SGLangClient
+        from palaestra.engines.clients.sglang_client import SGLangClient
 
         client = SGLangClient(url, **self._client_kw)
         try:
@@ -166,7 +166,8 @@ class ElasticEngines:
 
     def _actor_group(self) -> EngineGroup:
         if self.actors is None:  # a run of engine.urls servers: new ones as actors too
-            from palaestra.run.engine_actors import EngineGroup, EngineLaunch
+            from palaestra.run.fleet.actors import EngineGroup
+            from palaestra.run.fleet.engine_actor import EngineLaunch
 
             server, args = self._launch
             self.actors = EngineGroup(EngineLaunch(
@@ -204,15 +205,17 @@ class ElasticEngines:
                                   f"run's policy has {hidden}; start it with the run's model "
                                   f"({self.policy_path})")
 
-    async def apply_joins(self, backend: WeightSource, version: int, step: int) -> list[str]:
+    async def apply_joins(self, push: SyncPush, version: int, step: int) -> list[str]:
         """At a step boundary (nothing trains): the waiting servers get the current weights
         at ``version`` and join the router; returns the URLs that joined."""
         self.version, self.step = version, step
+        from palaestra.run.fleet.weight_pushes import push_to_joining
+
         joins, self._joins = self._joins, []
         joined = []
         for join in joins:
             try:
-                stats = await self.sync.push_to(join.client, backend, version)
+                stats = await push_to_joining(push, join.client, version)
                 info = await join.client.get_model_info()
                 if join.client.weight_version != version:
                     raise EngineError(f"{join.client.url} reports weight version "
@@ -298,10 +301,6 @@ class ElasticEngines:
         for client in retired:
             await client.close()
 
-    def weights_of(self, backend: WeightSource) -> _ElasticPush:
-        """The run's `WeightPush`, after `settle`."""
-        return _ElasticPush(self, backend)
-
     # ---------------------------------------------------------------------- reporting
     def metrics(self) -> dict[str, float]:
         """The router's ``engines/*`` (with Ray workers: the requests their routers served
@@ -355,155 +354,10 @@ class ElasticEngines:
                     f"the run ended before {join.client.url} could join"))
 
 
-@dataclass(frozen=True)
-class _ElasticPush:
-    elastic: ElasticEngines
-    backend: WeightSource
-
-    async def push(self, version: int) -> None:
-        await self.elastic.settle()
-        await self.elastic.sync.push_now(self.backend, version)
-        self.elastic.version = version
-
-
 async def _done(result: object) -> None:
     """Await what the router's member calls return: SGLang's router answers over HTTP."""
     if inspect.isawaitable(result):
         await result
 
 
-def _config_of(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    text = data.get("text_config")  # multimodal checkpoints nest the language model's
-    return dict(text) if isinstance(text, dict) else dict(data)
-
-
-# ------------------------------------------------------------------------- admin server
-class AdminServer:
-    """The loopback endpoint of `ElasticEngines` (``GET/POST /engines``,
-    ``POST /engines/remove``), its address in ``admin.json``, its token in ``admin.token``."""
-
-    def __init__(self, elastic: ElasticEngines, run_dir: Path, host: str = "127.0.0.1") -> None:
-        self.elastic = elastic
-        self.run_dir = Path(run_dir)
-        self.host = host
-        self.token = secrets.token_urlsafe(24)
-        self.url = ""
-        self._runner: Any = None
-
-    async def start(self) -> AdminServer:
-        from aiohttp import web
-
-        @web.middleware
-        async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
-            return await self._auth(request, handler)  # type: ignore[no-any-return]
-
-        app = web.Application(middlewares=[auth])
-        app.router.add_get("/engines", self._list)
-        app.router.add_post("/engines", self._add)
-        app.router.add_post("/engines/remove", self._remove)
-        # a request still waiting when the run ends (an engine starting) is cancelled soon
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True,
-                                     shutdown_timeout=5.0)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://{self.host}:{port}"
-        token_path = self.run_dir / TOKEN_FILE
-        token_path.unlink(missing_ok=True)
-        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.token)
-        partial = self.run_dir / (ADMIN_FILE + ".partial")
-        partial.write_text(json.dumps({"url": self.url, "pid": os.getpid(),
-                                       "started": time.time()}))
-        partial.rename(self.run_dir / ADMIN_FILE)
-        return self
-
-    async def close(self) -> None:
-        for name in (ADMIN_FILE, TOKEN_FILE):
-            (self.run_dir / name).unlink(missing_ok=True)
-        try:  # the engines as the run ends: URL, weight version, requests, actors
-            final = await self.elastic.final_listing()
-            (self.run_dir / ENGINES_FILE).write_text(json.dumps(final, indent=2))
-        except (PalaestraError, OSError) as exc:  # a record only: the run's end goes on
-            print(f"[engines] could not write {ENGINES_FILE}: {exc}", flush=True)
-        finally:
-            await self.elastic.close()
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-
-    # ---------------------------------------------------------------------- handlers
-    async def _auth(self, request: Any, handler: Any) -> Any:
-        """The token, then the handler; a `PalaestraError` answers 400 (409: a conflict)."""
-        from aiohttp import web
-
-        given = request.headers.get("Authorization", "")
-        if not secrets.compare_digest(given, f"Bearer {self.token}"):
-            return web.json_response({"error": "wrong or missing token (the run's "
-                                      f"{TOKEN_FILE})"}, status=401)
-        try:
-            return await handler(request)
-        except PalaestraError as exc:
-            status = 409 if "already" in str(exc) or "ended" in str(exc) else 400
-            return web.json_response({"error": str(exc)}, status=status)
-
-    async def _list(self, request: Any) -> Any:
-        from aiohttp import web
-
-        return web.json_response(self.elastic.listing())
-
-    async def _body(self, request: Any) -> dict[str, Any]:
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise ConfigError(f"the request body is not JSON: {exc}") from exc
-        if not isinstance(body, dict) or not isinstance(body.get("url"), str):
-            raise ConfigError('the request body needs {"url": "http://HOST:PORT"}')
-        return body
-
-    async def _add(self, request: Any) -> Any:
-        from aiohttp import web
-
-        try:
-            body = await request.json()
-        except ValueError as exc:
-            raise ConfigError(f"the request body is not JSON: {exc}") from exc
-        if isinstance(body, dict) and isinstance(body.get("gpus"), int) and "url" not in body:
-            return web.json_response(await self.elastic.request_add_actor(body["gpus"]))
-        if not isinstance(body, dict) or not isinstance(body.get("url"), str):
-            raise ConfigError('the request body needs {"url": "http://HOST:PORT"} or '
-                              '{"gpus": N}')
-        return web.json_response(await self.elastic.request_add(body["url"]))
-
-    async def _remove(self, request: Any) -> Any:
-        from aiohttp import web
-
-        body = await self._body(request)
-        timeout = body.get("timeout_s")
-        return web.json_response(await self.elastic.remove(
-            body["url"], None if timeout is None else float(timeout)))
-
-
-async def start_admin(cfg: Any, run_dir: Path, engine: Any, sync: EngineSync,
-                      policy_path: Path, manager: RolloutManager | None = None
-                      ) -> AdminServer | None:
-    """The admin endpoint of a run whose engines are servers (``engine.kind = "sglang"`` or
-    engine actors), else None (the embedded engine lives in the run's process). ``manager``:
-    the run's rollout manager (Ray workers learn of engines joining and leaving through it)."""
-    if not hasattr(engine, "clients"):
-        return None
-    elastic = ElasticEngines(engine, sync, policy_path, cluster=cfg.rollout.cluster,
-                             manager=manager, server=cfg.engine.kind,
-                             launch_args=tuple(cfg.engine.launch_args))
-    elastic.router()  # from the first step on: requests per engine are counted
-    return await AdminServer(elastic, run_dir).start()
-
-
-__all__ = ["ADMIN_FILE", "ENGINES_FILE", "TOKEN_FILE", "AdminServer", "ElasticEngines", "normalize_url",
-           "start_admin"]
+__all__ = ["ADMIN_FILE", "ENGINES_FILE", "TOKEN_FILE", "ElasticEngines", "normalize_url"]

@@ -17,7 +17,7 @@ written with operations that are the same on both paths:
   the batch count, the row order within the matrix and the thread count (measured over batch
   counts 2-99, shuffled rows, 1 and 2 threads and worker threads; a lone matrix, G = 1, is the
   exception for some shapes, hence the zero companion). On CUDA a Triton GEMM with fixed tiles
-  (`palaestra.engines.local.invariant_triton`).
+  (`palaestra.engines.bitwise.invariant_triton`).
 - `row_sum`: a float32 sum over the last dim; on CPU torch's inner reduction with at least two
   rows (one row alone is split across threads), on CUDA one Triton program per row.
 - `linear` on CPU cuts the rows into blocks of `ROW_BLOCK` (the last padded with zeros) and runs
@@ -66,7 +66,7 @@ def bmm_nt(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = Non
     import torch
 
     if _on_cuda(a):
-        from palaestra.engines.local import invariant_triton
+        from palaestra.engines.bitwise import invariant_triton
 
         return invariant_triton.bmm_nt(a, b, out_dtype)
     g = a.shape[0]
@@ -83,7 +83,7 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
 
     x = x.float()
     if _on_cuda(x):
-        from palaestra.engines.local import invariant_triton
+        from palaestra.engines.bitwise import invariant_triton
 
         return invariant_triton.row_sum(x.contiguous())
     m = x.shape[0]

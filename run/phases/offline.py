@@ -19,6 +19,7 @@ from palaestra.run.run_dir import RunDir
 from palaestra.types import Sample
 
 if TYPE_CHECKING:
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
     from palaestra.agents.spec import AgentSpec
 
 
@@ -94,7 +95,7 @@ def _batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
     return out
 
 
-def offline_backend(cfg: TrainConfig, model_path: Path, torch_cfg: Any) -> Any:
+def offline_backend(cfg: TrainConfig, model_path: Path, torch_cfg: TorchBackendConfig) -> Any:
     """The backend of an offline run (``algorithm = "sft"/"dpo"``): Megatron-core when
     ``trainer.backend = "megatron"`` (its own ``trainer.megatron`` settings, the phase's logits
     temperature, a reference policy for DPO), else PyTorch with ``torch_cfg``."""
@@ -105,7 +106,7 @@ def offline_backend(cfg: TrainConfig, model_path: Path, torch_cfg: Any) -> Any:
                                 steps=cfg.trainer.steps,
                                 logits_temperature=torch_cfg.logits_temperature,
                                 ref_model=cfg.algorithm == "dpo")
-    from palaestra.trainers.torch_backend import TorchBackend
+    from palaestra.trainers.torch_backend.backend import TorchBackend
 
     return TorchBackend(model_path, torch_cfg)
 
@@ -123,7 +124,7 @@ def sft_steps(
     export_to: Path | None = None,
 ) -> Any:
     """SFT over ``samples`` for ``steps`` steps with checkpoints; resumes a killed phase."""
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.run.builders import backend_config
 
@@ -182,7 +183,7 @@ def _bar(cfg: TrainConfig, total: int, start: int, phase: str) -> Any:
 
 def dpo_steps(cfg: TrainConfig, run: RunDir, model_path: Path, spec: AgentSpec) -> Any:
     """DPO on ``{"prompt", "chosen", "rejected"}`` rows; reference = frozen initial policy."""
-    from palaestra.trainers.algorithms import LossConfig
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
     from palaestra.run.builders import backend_config
 

@@ -5,9 +5,9 @@ Each sync-mode RL step switches twice (`ColocatedPhases`):
 - rollout -> train (`to_train`): the engine frees its KV cache and moves its weights off the
   GPU (`LocalEngine.release_memory`, SGLang's ``/release_memory_occupation``), the trainer brings
   its parameters, gradients and optimizer state back (``onload``);
-- train -> rollout (`around(push)`, the weight push of the step): the engine takes its weights
-  back, the new weights go in, the trainer moves its state to host memory (``offload``), the
-  engine reallocates its KV cache.
+- train -> rollout (`to_rollout`, around the weight push of the step): the engine takes its
+  weights back, the new weights go in, the trainer moves its state to host memory (``offload``),
+  the engine reallocates its KV cache.
 
 Memory is measured at the end of each phase and logged with the step (`metrics`):
 ``memory/rollout_gib`` and ``memory/train_gib`` (GPU memory allocated by this process, and
@@ -24,34 +24,16 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
 from palaestra.contracts import MemoryReporting, Offloadable
-from palaestra.engine import MemoryReleasing
+from palaestra.engine import DeviceMemory, MemoryReleasing
 from palaestra.trainers.memory import GIB, device_state_bytes, gpu_memory
-
-if TYPE_CHECKING:
-    from palaestra.engines.weights.push import WeightPush
 
 
 def engine_device_bytes(engine: object) -> int | None:
-    """GPU bytes the embedded engine holds (KV cache, weights off the CPU); None for servers.
+    """Device bytes the embedded engine holds (KV cache, weights off the CPU); None for servers.
     On CPU its KV cache (the only part that a release frees there)."""
-    cache = getattr(engine, "cache", None)
-    decoder = getattr(engine, "decoder", None)
-    if cache is None or decoder is None:
-        return None
-    total = int(cache.num_bytes())
-    device = getattr(engine, "device", None)
-    if device is not None and device.type != "cpu" and _decoder_on_device(decoder):
-        total += int(decoder.num_bytes())
-    return total
-
-
-def _decoder_on_device(decoder: Any) -> bool:
-    embed = getattr(decoder, "embed", None)
-    return embed is not None and embed.device.type != "cpu"
+    return engine.device_bytes() if isinstance(engine, DeviceMemory) else None
 
 
 class ColocatedPhases:
@@ -129,17 +111,14 @@ class ColocatedPhases:
         self.switches += 1
         self._record["time/to_train_s"] = time.perf_counter() - start
 
-    def around(self, push: WeightPush) -> WeightPush:
-        """The step's weight push as the train -> rollout switch."""
-        return _SwitchingPush(self, push)
-
-    async def to_rollout(self, push: WeightPush, version: int) -> None:
-        """Train -> rollout: engine weights back, the new weights pushed, the trainer to host
-        memory, then the engine's KV cache."""
+    @asynccontextmanager
+    async def to_rollout(self) -> AsyncIterator[None]:
+        """Train -> rollout around the step's weight push: the engine's weights back before
+        it, then the trainer to host memory and the engine's KV cache back."""
         start = time.perf_counter()
         self._measure("train")
         await self._engine_memory(release=False, tags=("weights",))
-        await push.push(version)
+        yield
         await asyncio.to_thread(self._offload)
         await self._engine_memory(release=False, tags=("kv_cache",))
         self.phase = "rollout"
@@ -167,15 +146,6 @@ class ColocatedPhases:
 
     def metrics(self) -> dict[str, float]:
         return {**self._record, "memory/phase_switches": float(self.switches)}
-
-
-@dataclass(frozen=True)
-class _SwitchingPush:
-    phases: ColocatedPhases
-    inner: WeightPush
-
-    async def push(self, version: int) -> None:
-        await self.phases.to_rollout(self.inner, version)
 
 
 __all__ = ["ColocatedPhases", "engine_device_bytes"]

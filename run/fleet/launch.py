@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from palaestra.engines.clients.sglang import SGLangServerConfig
-    from palaestra.run.config import EngineSection
+    from palaestra.engines.clients.server_process import SGLangServerConfig
+    from palaestra.run.sections import EngineSection
 
 
 def server_configs(engine: EngineSection, model_path: Path) -> list[SGLangServerConfig]:
     """The launch configs of ``engine`` for the checkpoint at ``model_path``."""
-    from palaestra.engines.clients.sglang import SGLangServerConfig
+    from palaestra.engines.clients.server_process import SGLangServerConfig
     from palaestra.engines.weights.weight_transfer import free_port
 
     gpus = list(engine.launch_gpus)

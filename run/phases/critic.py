@@ -12,27 +12,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from palaestra.run.config import TrainConfig
+    from palaestra.run.sections import RunSettings
 
 
-def critic_backend_name(cfg: TrainConfig) -> str:
+def critic_backend_name(cfg: RunSettings) -> str:
     """``critic.backend``, defaulting to ``trainer.backend``."""
     return cfg.critic.backend or cfg.trainer.backend
 
 
-def uses_critic(cfg: TrainConfig) -> bool:
+def uses_critic(cfg: RunSettings) -> bool:
     """Whether this run trains a critic: RL with GAE advantages (the ``ppo`` preset)."""
     return cfg.algorithm == "rl" and cfg.trainer.loss.needs_values
 
 
-def optimizer_steps(cfg: TrainConfig) -> int:
+def optimizer_steps(cfg: RunSettings) -> int:
     """Optimizer steps per model over the run: steps x epochs x mini-batches per epoch."""
     per_batch = cfg.rollout.batch_size * cfg.rollout.group_size
     mini = cfg.trainer.mini_batch_size or per_batch
     return cfg.trainer.steps * cfg.trainer.updates_per_batch * max(1, -(-per_batch // mini))
 
 
-def critic_backend_settings(cfg: TrainConfig) -> Any:
+def critic_backend_settings(cfg: RunSettings) -> Any:
     """The critic's `TorchBackendConfig` or `MegatronBackendConfig` (raises pydantic's
     ValidationError on a bad ``critic.torch`` / ``critic.megatron`` key)."""
     from palaestra.trainers.megatron.config import MegatronBackendConfig
@@ -56,30 +56,30 @@ def critic_backend_settings(cfg: TrainConfig) -> Any:
     return cls.model_validate(data)
 
 
-def critic_model_path(cfg: TrainConfig, policy_path: Path) -> Path:
+def critic_model_path(cfg: RunSettings, policy_path: Path) -> Path:
     """Where the critic starts: ``critic.model_path`` or the RL phase's initial policy."""
     if cfg.critic.model_path:
         return cfg.in_run(cfg.critic.model_path)
     return policy_path
 
 
-def build_critic(cfg: TrainConfig, policy_path: Path) -> Any:
+def build_critic(cfg: RunSettings, policy_path: Path) -> Any:
     """The critic backend (``forward_values``, ``train_step``, ``save``/``load``)."""
     settings = critic_backend_settings(cfg)
     path = critic_model_path(cfg, policy_path)
     if critic_backend_name(cfg) == "megatron":
         from transformers import AutoConfig
 
-        from palaestra.trainers.megatron import MegatronBackend
+        from palaestra.trainers.megatron.backend import MegatronBackend
 
         return MegatronBackend(AutoConfig.from_pretrained(path), settings, model_path=path)
-    from palaestra.trainers.torch_backend import TorchBackend
+    from palaestra.trainers.torch_backend.backend import TorchBackend
 
     return TorchBackend(path, settings)
 
 
 
-def critic_problems(cfg: TrainConfig) -> list[Any]:
+def critic_problems(cfg: RunSettings) -> list[Any]:
     """The ``[critic]`` and mini-batch settings a run cannot serve (`config_checks` runs it)."""
     from pydantic import ValidationError
 
@@ -133,7 +133,7 @@ def critic_problems(cfg: TrainConfig) -> list[Any]:
     return out
 
 
-def critic_plan_line(cfg: TrainConfig) -> str:
+def critic_plan_line(cfg: RunSettings) -> str:
     """The dry run's line on the critic (whether there is one, and how it trains)."""
     if not uses_critic(cfg):
         return f"critic: none ({cfg.trainer.loss.advantage_estimator} advantages need no values)"

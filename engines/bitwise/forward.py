@@ -6,7 +6,7 @@ decode step (one token per running slot), a prefill chunk (the new tokens of sev
 after their cached prefixes) or a whole sequence, with its slot KV cache as the key/value store;
 the torch trainer backend calls it for a packed micro-batch, with the policy's parameters fused
 the same way (``torch.cat`` keeps them differentiable) and a fresh key/value buffer. Every step is
-a `palaestra.engines.local.invariant` operation, so a token's logits have the same bits on both
+a `palaestra.engines.bitwise.invariant` operation, so a token's logits have the same bits on both
 sides, whatever else shares its batch (`tests/engines/test_bitwise.py`).
 
 The maths is `palaestra.engines.local.model.Decoder`'s (RMSNorm, rotary embeddings from the
@@ -21,13 +21,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from palaestra.engines.local import invariant as inv
+from palaestra.engines.bitwise import invariant as inv
 
 if TYPE_CHECKING:
     import torch
 
+    from palaestra.engines.bitwise.decoder_config import DecoderConfig
     from palaestra.engines.local.kv_cache import SlotKVCache
-    from palaestra.engines.local.model import DecoderConfig
 
 
 class LayerWeights(Protocol):

@@ -28,6 +28,8 @@ from palaestra.run.config import TrainConfig
 from palaestra.run.run_dir import RunDir
 
 if TYPE_CHECKING:
+    import torch
+
     from palaestra.contracts import Tokenizer
 
 Pair = tuple[list[int], list[int]]
@@ -36,7 +38,7 @@ Pair = tuple[list[int], list[int]]
 def load_pairs(cfg: TrainConfig, tokenizer: Tokenizer) -> tuple[list[Pair], list[Pair]]:
     """Token ids of (chosen, rejected) for the training pairs and the held-out tail."""
     from palaestra.rollout.rewards.render import render_ids
-    from palaestra.run.offline import _load_jsonl
+    from palaestra.run.phases.offline import _load_jsonl
 
     rows = _load_jsonl(str(cfg.offline.dataset))
     held = cfg.eval.num_tasks
@@ -55,7 +57,7 @@ def load_pairs(cfg: TrainConfig, tokenizer: Tokenizer) -> tuple[list[Pair], list
     return pairs[: len(pairs) - held], pairs[len(pairs) - held:]
 
 
-def scores(model: Any, batch: list[list[int]], pad_id: int, device: str) -> Any:
+def scores(model: torch.nn.Module, batch: list[list[int]], pad_id: int, device: str) -> Any:
     """The model's scalar per sequence (a float tensor, with gradients when enabled)."""
     from palaestra.rollout.rewards.render import pad_right
 
@@ -63,14 +65,14 @@ def scores(model: Any, batch: list[list[int]], pad_id: int, device: str) -> Any:
     return model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits[:, 0].float()
 
 
-def bt_loss(chosen: Any, rejected: Any) -> Any:
+def bt_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> Any:
     """Bradley-Terry: ``-log sigmoid(r_c - r_r)``, averaged over the pairs."""
     import torch.nn.functional as F
 
     return -F.logsigmoid(chosen - rejected).mean()
 
 
-def evaluate_pairs(model: Any, pairs: list[Pair], pad_id: int, device: str,
+def evaluate_pairs(model: torch.nn.Module, pairs: list[Pair], pad_id: int, device: str,
                    batch_size: int = 32) -> dict[str, float]:
     """Held-out accuracy (chosen scored above rejected), mean margin and loss."""
     import torch
@@ -128,7 +130,7 @@ def train_reward_model(cfg: TrainConfig, run: RunDir, model_path: Path) -> Path:
     import numpy as np
     import torch
 
-    from palaestra.run.offline import _bar, _batch_indices
+    from palaestra.run.phases.offline import _bar, _batch_indices
 
     device = _device(cfg)
     model, tokenizer = load_model(model_path, device, cfg.seed)
@@ -200,7 +202,7 @@ def train_reward_model(cfg: TrainConfig, run: RunDir, model_path: Path) -> Path:
     return out
 
 
-def _log_eval(run: RunDir, model: Any, held: list[Pair], pad: int, device: str, stage: str,
+def _log_eval(run: RunDir, model: torch.nn.Module, held: list[Pair], pad: int, device: str, stage: str,
               step: int | None) -> dict[str, float]:
     t = time.perf_counter()
     metrics = evaluate_pairs(model, held, pad, device)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from palaestra.trainers.megatron.attention_core import sdpa_bshd, sdpa_thd
+from palaestra.trainers.attention import sdpa_bshd, sdpa_thd
 
 
 def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -71,7 +71,7 @@ def test_varlen_forced_off_cuda_is_refused_or_unavailable():
 
 
 def test_packed_attention_mode_picks_per_sequence_only_for_short_packs():
-    from palaestra.trainers.megatron.attention_core import PER_SEQUENCE_MAX, use_per_sequence
+    from palaestra.trainers.attention import PER_SEQUENCE_MAX, use_per_sequence
 
     assert use_per_sequence("auto", 1) and use_per_sequence("auto", PER_SEQUENCE_MAX)
     assert not use_per_sequence("auto", PER_SEQUENCE_MAX + 1)

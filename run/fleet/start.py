@@ -5,7 +5,7 @@ GPU nodes (``engine_gpus / engine_tp`` engines) or ``placement.engines = N`` on 
 ``engine.kind = "local"`` (each actor serves the embedded engine with ``palaestra serve``) or
 ``"sglang"`` (``sglang.launch_server``), and neither ``engine.urls`` nor ``engine.launch`` (those
 engines are the run's then, and the plan only estimates). `start_engine_actors` starts them
-(`palaestra.run.engine_actors.EngineGroup`) and returns an `ActorEngine` over their URLs with
+(`palaestra.run.fleet.actors.EngineGroup`) and returns an `ActorEngine` over their URLs with
 the ``[engine]`` section the run then uses for them (`served_section`: servers, so the weights go
 by ``engine.weight_sync`` to servers, not in process). `engine_actor_problems` are the load-time
 checks. Colocated engine actors beside a trainer group (`shares_trainer_bundles`) reserve one
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 from palaestra.config import Problem
 
 if TYPE_CHECKING:
-    from palaestra.run.engine_actors import ActorEngine
-    from palaestra.run.placement import RunPlan
-    from palaestra.run.config import EngineSection, TrainConfig
+    from palaestra.run.fleet.actors import ActorEngine
+    from palaestra.run.fleet.placement import RunPlan
+    from palaestra.run.sections import EngineSection, RunSettings
 
 
-def engine_actor_count(cfg: TrainConfig) -> int:
+def engine_actor_count(cfg: RunSettings) -> int:
     """Engines this run starts as Ray actors (0: the engines of ``[engine]``)."""
     from palaestra.run.trainer_plan import trainer_on_gpu
 
@@ -38,7 +38,7 @@ def engine_actor_count(cfg: TrainConfig) -> int:
     return p.engines
 
 
-def engine_actor_problems(cfg: TrainConfig) -> list[Problem]:
+def engine_actor_problems(cfg: RunSettings) -> list[Problem]:
     """Why the engine actors of ``[placement]`` cannot start (checked when the config loads)."""
     p, e = cfg.placement, cfg.engine
     if p is None:
@@ -71,7 +71,7 @@ def engine_actor_problems(cfg: TrainConfig) -> list[Problem]:
     return out
 
 
-def shares_trainer_bundles(cfg: TrainConfig, plan: RunPlan) -> bool:
+def shares_trainer_bundles(cfg: RunSettings, plan: RunPlan) -> bool:
     """Whether the engine actors and the trainer group share one placement group: colocated
     engine actors beside a trainer group (engine i on trainer rank i's bundles)."""
     return (engine_actor_count(cfg) > 0 and cfg.placement is not None
@@ -81,11 +81,13 @@ def shares_trainer_bundles(cfg: TrainConfig, plan: RunPlan) -> bool:
 def trainer_placement_group(engine: object) -> object | None:
     """The placement group a trainer group starts its ranks in: the one the run's engine
     actors reserved for both (a colocated plan), else None (the group reserves its own)."""
-    group = getattr(engine, "actor_group", None)
-    return getattr(group, "placement_group", None)
+    from palaestra.run.fleet.actors import actor_group_of
+
+    group = actor_group_of(engine)
+    return None if group is None else group.placement_group
 
 
-def engine_actor_lines(cfg: TrainConfig, plan: RunPlan) -> list[str]:
+def engine_actor_lines(cfg: RunSettings, plan: RunPlan) -> list[str]:
     """``--dry-run``: the engine actors the run starts, one line each (none: what serves)."""
     count = engine_actor_count(cfg)
     if not count:
@@ -117,7 +119,7 @@ def served_section(engine: EngineSection) -> EngineSection:
     return engine.model_copy(update={"kind": "sglang"})
 
 
-def _serve_args(cfg: TrainConfig) -> tuple[str, ...]:
+def _serve_args(cfg: RunSettings) -> tuple[str, ...]:
     """The server's own settings from ``[engine]`` (the launch args win when they set one)."""
     given = list(cfg.engine.launch_args)
     if cfg.engine.kind == "sglang":
@@ -130,13 +132,14 @@ def _serve_args(cfg: TrainConfig) -> tuple[str, ...]:
     return tuple(given + extra)
 
 
-async def start_engine_actors(cfg: TrainConfig, model_path: Path
+async def start_engine_actors(cfg: RunSettings, model_path: Path
                               ) -> tuple[EngineSection, ActorEngine] | None:
     """Start the run's engine actors (None when ``[placement]`` asks for none): the section the
     run uses for them and an engine over their servers (closing it stops the actors)."""
     if not engine_actor_count(cfg):
         return None
-    from palaestra.run.engine_actors import ActorEngine, EngineGroup, EngineLaunch
+    from palaestra.run.fleet.actors import ActorEngine, EngineGroup
+    from palaestra.run.fleet.engine_actor import EngineLaunch
     from palaestra.run.trainer_plan import require_plan
 
     plan = require_plan(cfg)

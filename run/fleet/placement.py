@@ -15,7 +15,7 @@ reason the layout is impossible. On CPU nodes (``gpus_per_node = 0``, or a train
 for embedded engines (``palaestra serve``) as Ray actors (colocated: engine i shares rank i's
 bundle instead, as on GPUs, `RunPlan.shares_bundles`); without it the engines stay as
 ``[engine]`` says (embedded in the driver, or servers at ``engine.urls``). The engine bundles
-of a plan are where `palaestra.run.engine_actors` starts its engine actors.
+of a plan are where `palaestra.run.fleet.actors` starts its engine actors.
 """
 
 from __future__ import annotations

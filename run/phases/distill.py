@@ -5,44 +5,33 @@ The student samples as in any RL step; the backend scores every sampled token wi
 (`TorchBackend.forward_teacher_logprobs`: batched no-grad forwards, the teacher on the
 trainer's device) and `trainers.algorithms.distill.distill_advantages` turns the per-token
 reverse KL into advantages (optionally mixed with the env reward's). Torch-free at import:
-`DistillSection` is part of `TrainConfig`.
+`DistillSection` is part of `RunSettings`.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pydantic import Field
-
-from palaestra.config import Problem, Section
+from palaestra.config import Problem
 from palaestra.errors import ConfigError
 
 if TYPE_CHECKING:
-    from palaestra.run.config import TrainConfig
+    from palaestra.contracts import TrainerBackend
+    from palaestra.run.sections import RunSettings
+    from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
-    from palaestra.trainers.torch_backend.backend import TorchBackend
+    from palaestra.trainers.ppo.step import Critic
+    from palaestra.trainers.update import Learner
 
 
-class DistillSection(Section):
-    teacher: str | None = None
-    """A Hugging Face model folder (``{out}`` allowed) with the student's tokenizer/vocabulary:
-    it scores every token the student samples, and the student minimises the per-token reverse
-    KL to it (on-policy distillation). None: plain RL."""
-    coef: float = Field(1.0, ge=0.0)
-    """Weight of the per-token reverse-KL term in the advantages."""
-    reward_coef: float = Field(0.0, ge=0.0)
-    """Weight of the env-reward advantage (of ``trainer.loss``'s estimator, e.g. GRPO); 0: pure
-    distillation."""
-
-
-def teacher_path(cfg: TrainConfig) -> Path | None:
+def teacher_path(cfg: RunSettings) -> Path | None:
     t = cfg.distill.teacher
     return None if t is None else cfg.in_run(t)
 
 
-def distill_problems(cfg: TrainConfig) -> list[Problem]:
+def distill_problems(cfg: RunSettings) -> list[Problem]:
     """Why ``[distill]`` cannot run (empty without a teacher): the backend, the teacher folder,
     and its vocabulary against the student's when the student's folder exists already (else
     `check_teacher` runs once the run has built it, before any work)."""
@@ -115,7 +104,7 @@ def _token_ids(model: Path) -> dict[str, int] | None:
     path = model / "tokenizer.json"
     if not path.is_file():
         return None
-    data: dict[str, Any] = json.loads(path.read_text())
+    data = json.loads(path.read_text())  # the tokenizer file: JSON as it came
     raw = data.get("model", {}).get("vocab") or {}
     # unigram models list [[piece, score], ...]: the id is the position, not the score
     vocab = ({piece: i for i, (piece, _) in enumerate(raw)} if isinstance(raw, list)
@@ -124,21 +113,28 @@ def _token_ids(model: Path) -> dict[str, int] | None:
     return vocab
 
 
-def with_distillation(backend: TorchBackend, batch: TrainBatch, cfg: TrainConfig
-                      ) -> tuple[TrainBatch, dict[str, float]]:
-    """The batch with the distillation advantages (the teacher's forward over it) and the
-    step's ``distill/*`` metrics (``distill/reverse_kl``, ``distill/teacher_s``)."""
-    import time
+def build_learner(cfg: RunSettings, backend: TrainerBackend[TrainBatch, LossConfig],
+                  critic: Critic | None) -> Learner:
+    """The RL update of ``cfg``: PPO with a critic, else the critic-free update, with the
+    ``[distill]`` teacher loaded into the (torch) backend, which then scores with it."""
+    from palaestra.trainers.update import Distillation, PolicyUpdate, PPOUpdate
 
-    from palaestra.trainers.algorithms.distill import distill_advantages
+    if critic is not None:  # values, GAE, epochs of critic and actor updates
+        return PPOUpdate(cfg, backend, critic)
+    distill = None
+    path = teacher_path(cfg)
+    if path is not None:
+        from palaestra.trainers.torch_backend.backend import TorchBackend
 
-    start = time.perf_counter()
-    teacher = backend.forward_teacher_logprobs(batch)
-    d = cfg.distill
-    batch, metrics = distill_advantages(batch, teacher, coef=d.coef, reward_coef=d.reward_coef)
-    metrics["distill/teacher_s"] = time.perf_counter() - start
-    return batch, metrics
+        if not isinstance(backend, TorchBackend):  # refused at load (distill_problems); a guard
+            raise ConfigError(f"distill.teacher needs the torch backend in this process, not "
+                              f"{type(backend).__name__}")
+        backend.load_teacher(path)
+        distill = Distillation(backend, coef=cfg.distill.coef,
+                               reward_coef=cfg.distill.reward_coef)
+    return PolicyUpdate(backend, cfg.trainer.loss, updates_per_batch=cfg.trainer.updates_per_batch,
+                        distill=distill)
 
 
-__all__ = ["DistillSection", "check_teacher", "distill_problems", "teacher_path",
-           "with_distillation"]
+__all__ = ["build_learner", "check_teacher", "distill_problems",
+           "teacher_path"]
