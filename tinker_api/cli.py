@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import signal
 import sys
 
@@ -73,7 +72,9 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("tinker") is None:
+    try:
+        import tinker.proto.tinker_public_pb2  # noqa: F401  (the extra's protobuf module)
+    except ImportError:
         print(INSTALL_HINT, file=sys.stderr)
         return 2
     from palaestra.tinker_api.errors import ApiError
