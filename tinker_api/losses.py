@@ -13,7 +13,8 @@ the datum's loss is its sum and the batch's ``loss:sum`` metric the sum over dat
 - ``cispo``: ``-sg(clip(ratio, low, high)) * logp * A`` (same clip config).
 - ``dro``: ``-(logp * A - beta / 2 * (logp - logprobs)^2)`` (config ``beta``, default 0.05).
 - ``gspo``: PPO on the sequence ratio ``exp(mean(logp - logprobs))`` over the datum's
-  response tokens (those with a non-zero advantage or sampler logprob), spread over its tokens
+  response tokens (``sequence_ratio_mask`` if given, else those with a non-zero advantage or
+  sampler logprob), spread over its tokens
   as ``sg(seq_ratio) * exp(logp - sg(logp))``; clip config defaults ``1 - 3e-4`` and
   ``1 + 4e-4``.
 
@@ -51,7 +52,7 @@ OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("weights",),
     "ppo": ("clip_low_threshold", "clip_high_threshold"),
     "cispo": ("clip_low_threshold", "clip_high_threshold"),
-    "gspo": ("clip_low_threshold", "clip_high_threshold"),
+    "gspo": ("clip_low_threshold", "clip_high_threshold", "sequence_ratio_mask"),
 }
 #: the loss_fn_config keys each loss reads
 CONFIG_KEYS: dict[str, tuple[str, ...]] = {
@@ -97,7 +98,9 @@ def _gspo(logp: torch.Tensor, inputs: Mapping[str, torch.Tensor], config: Config
     import torch
 
     adv, old = inputs["advantages"], inputs["logprobs"]
-    mask = ((adv != 0) | (old != 0)).to(logp.dtype)
+    mask = inputs.get("sequence_ratio_mask")
+    if mask is None:
+        mask = ((adv != 0) | (old != 0)).to(logp.dtype)
     count = mask.sum().clamp(min=1.0)
     seq_ratio = torch.exp(((logp - old) * mask).sum() / count)
     token_ratio = seq_ratio.detach() * torch.exp(logp - logp.detach())
