@@ -7,8 +7,9 @@ this offline machine cannot download:
   cookbook's own ``register_tokenizer`` (the server serves the model under that name with
   ``--base-model-name``), so the recipe's Qwen3 renderer formats the chat;
 - the data set: ``datasets.load_dataset("openai/gsm8k", "main")`` returns a local data set in
-  GSM8K's format (``question``, ``answer`` ending in ``#### N``): "Copy this number: N" tasks,
-  whose answers a tiny model can learn;
+  GSM8K's format (``question``, ``answer`` ending in ``#### N``): "Copy this number: N" tasks
+  whose answers are skewed (half are 7), so a tiny model can raise its reward in a short run by
+  learning the answer distribution (and, with more steps, the copy);
 - a warm start: a random-init model never writes ``\\boxed{}``, so the reward would stay 0 and
   every group would be skipped. A few supervised steps teach the answer *format* with random
   digits (no task knowledge: the reward after it is chance, ~10%), then the recipe resumes from
@@ -37,12 +38,13 @@ MODEL_NAME = "Qwen/Qwen3-4B-Instruct-2507"
 SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}."
 
 
-def local_gsm8k(n: int, seed: int) -> object:
+def local_gsm8k(n: int, seed: int, skew: float) -> object:
     """A GSM8K-format data set of copy tasks (the recipe reads ``question`` and ``answer``)."""
     import datasets
 
     rng = random.Random(seed)
-    digits = [rng.randrange(10) for _ in range(n)]
+    # skewed, as answers of real data sets are: a share ``skew`` of the tasks are "7"
+    digits = [7 if rng.random() < skew else rng.randrange(10) for _ in range(n)]
     rows = {"question": [f"Copy this number: {d}." for d in digits],
             "answer": [f"The number is {d}.\n#### {d}" for d in digits]}
     return datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)})
@@ -91,6 +93,8 @@ def main() -> None:
     parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--warm-start-steps", type=int, default=60)
     parser.add_argument("--warm-start-lr", type=float, default=5e-3)
+    parser.add_argument("--skew", type=float, default=0.5,
+                        help="share of tasks whose answer is 7 (0: uniform digits)")
     args = parser.parse_args()
     os.environ.setdefault("TINKER_API_KEY", "tml-local")
 
@@ -101,7 +105,7 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     tokenizer_utils.register_tokenizer(MODEL_NAME, lambda: tokenizer)
-    data = local_gsm8k(args.steps * args.batch_size, seed=0)
+    data = local_gsm8k(args.steps * args.batch_size, seed=0, skew=args.skew)
     datasets.load_dataset = lambda *a, **k: data  # the recipe's only download
     Path(args.log_path).mkdir(parents=True, exist_ok=True)
     warm_start(args, tokenizer)
