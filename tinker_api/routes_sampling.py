@@ -22,6 +22,8 @@ from palaestra.tinker_api.validate import check_sample
 from palaestra.tinker_api.wire import encode_sample_response
 
 if TYPE_CHECKING:
+    from tinker.types import SampleRequest
+
     from palaestra.tinker_api.server import TinkerServer
 
 DEFAULT_MAX_TOKENS = 256
@@ -72,16 +74,16 @@ async def get_sampler(request: web.Request) -> web.Response:
                                      model_path=sampler.model_path))
 
 
-def _refuse_unserved(req: object) -> None:
-    if getattr(req, "topk_sample_logprobs", 0):
+def _refuse_unserved(req: SampleRequest) -> None:
+    if req.topk_sample_logprobs:
         raise not_served("topk_sample_logprobs", "the engine returns the sampled token's "
                          "logprob only")
-    if getattr(req, "target_prompt_logprobs", None) is not None:
+    if req.target_prompt_logprobs is not None:
         raise not_served("target_prompt_logprobs", "use include_prompt_logprobs or "
                          "topk_prompt_logprobs")
-    if getattr(req, "prompt_alt_tokens_k", 0):
+    if req.prompt_alt_tokens_k:
         raise not_served("prompt_alt_tokens_k", "prompt positions are not re-sampled")
-    if getattr(req, "record_stability_info", None):
+    if req.record_stability_info:
         raise not_served("record_stability_info", "no stability information is recorded")
 
 

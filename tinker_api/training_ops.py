@@ -14,6 +14,8 @@ from palaestra.tinker_api.registry import TrainingModel
 from palaestra.tinker_api.trainer import AdamStep, LoraSpec
 
 if TYPE_CHECKING:
+    from tinker.types import LoraConfig, OptimizerConfig, OptimParams
+
     from palaestra.tinker_api.server import TinkerServer
 
 MAX_RANK = 512
@@ -27,23 +29,22 @@ def future_answer(request_id: str, model_id: str | None = None) -> web.Response:
     return web.json_response(body)
 
 
-def check_optimizer(config: object) -> None:
+def check_optimizer(config: OptimizerConfig) -> None:
     """AdamW only (``Dimuon`` and other families are refused)."""
-    kind = getattr(config, "type", "adamw")
+    kind = config.type
     if kind != "adamw":
         raise not_served(f"optimizer {kind!r}", "this server trains with AdamW only")
 
 
-def lora_spec(config: object) -> LoraSpec:
+def lora_spec(config: LoraConfig | None) -> LoraSpec:
     """The SDK's ``LoraConfig`` as a `LoraSpec` (rank checked)."""
     if config is None:
         raise not_served("full fine-tuning (no lora_config)", "this server trains LoRA "
                          "adapters; use create_lora_training_client")
-    rank = int(getattr(config, "rank"))
-    if not 1 <= rank <= MAX_RANK:
-        raise ApiError(f"LoRA rank {rank} is outside 1..{MAX_RANK}")
-    return LoraSpec(rank, getattr(config, "seed", None), bool(getattr(config, "train_mlp")),
-                    bool(getattr(config, "train_attn")), bool(getattr(config, "train_unembed")))
+    if not 1 <= config.rank <= MAX_RANK:
+        raise ApiError(f"LoRA rank {config.rank} is outside 1..{MAX_RANK}")
+    return LoraSpec(config.rank, config.seed, config.train_mlp, config.train_attn,
+                    config.train_unembed)
 
 
 async def add_model(server: TinkerServer, model_id: str, session_id: str, base_model: str,
@@ -63,7 +64,7 @@ async def add_model(server: TinkerServer, model_id: str, session_id: str, base_m
     return model
 
 
-def adam_step(params: object) -> AdamStep:
+def adam_step(params: OptimParams) -> AdamStep:
     """The SDK's ``AdamParams`` (finite, non-negative learning rate) as an `AdamStep`."""
     from tinker.types import AdamParams
 
@@ -79,7 +80,6 @@ def adam_step(params: object) -> AdamStep:
         raise ApiError(f"bad AdamParams {params}: finite values, learning_rate >= 0, betas in "
                        "[0, 1), eps > 0")
     return step
-
 
 
 __all__ = ["MAX_RANK", "adam_step", "add_model", "check_optimizer", "future_answer", "lora_spec"]

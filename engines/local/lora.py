@@ -162,8 +162,8 @@ class LoraRuntime:
         self._merged: int = 0  # the adapter written into the weights (merged mode)
         self._base: dict[str, torch.Tensor] = {}  # module -> its base weight, while merged
         self._groups: list[tuple[torch.Tensor | None, list[tuple[float, int]]]] = []
-        #: (logit rows, adapter) of the next forward's unembedding updates (never merged)
-        self._head_groups: list[tuple[torch.Tensor | None, int]] = []
+        self._head_groups: list[tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]]
+        self._head_groups = []  # (logit rows, the unembedding's A and B): never merged
 
     # ------------------------------------------------------------------------ adapters
     @property
@@ -273,20 +273,18 @@ class LoraRuntime:
         return fused
 
     def _fuse_head(self, adapter: LoraAdapter) -> tuple[torch.Tensor, torch.Tensor]:
-        """The unembedding's update, applied low-rank to the logits (bitwise mode reads merged
-        weights only, and the unembedding may be tied to the embedding: never merged)."""
-        dec = self.decoder
+        """The unembedding's update, applied low-rank to the logits (never merged: it may be
+        tied to the embedding, and bitwise mode reads merged weights only)."""
+        dec, c = self.decoder, self.decoder.config
         if dec.bitwise:
             raise EngineError(f"adapter {adapter.name!r} trains the unembedding (lm_head), which "
                               "bitwise on-policy mode cannot serve")
         a, b = adapter.modules["lm_head"]
-        c = dec.config
         if a.shape[1] != c.hidden_size or b.shape != (c.vocab_size, a.shape[0]):
             raise EngineError(f"adapter {adapter.name!r}: lm_head A {tuple(a.shape)} / B "
                               f"{tuple(b.shape)} do not fit hidden {c.hidden_size}, vocab "
                               f"{c.vocab_size}: trained on another model?")
-        dev, dtype = dec.embed.device, dec.dtype
-        return a.to(dev, dtype), b.to(dev, dtype)
+        return a.to(dec.embed.device, dec.dtype), b.to(dec.embed.device, dec.dtype)
 
     @staticmethod
     def _module_name(layer: int, module: str) -> str:
@@ -354,17 +352,17 @@ class LoraRuntime:
                 self._groups.append((rows, terms))
         return True
 
-    def _head_rows(self, ids: Sequence[int]) -> list[tuple[torch.Tensor | None, int]]:
+    def _head_rows(self, ids: Sequence[int]
+                   ) -> list[tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]]:
         """The unembedding updates: the logits of a forward have one row per request (decode,
         a prefill's last tokens) or are one request's (a full-sequence prefill)."""
         import torch
 
-        heads = [a for a in sorted(set(ids)) if a and self._fused[a].head is not None]
-        if len(set(ids)) == 1:
-            return [(None, a) for a in heads]
+        heads = [(a, head) for a in sorted(set(ids)) if a and (head := self._fused[a].head)]
         dev = self.decoder.embed.device
-        return [(torch.tensor([i for i, x in enumerate(ids) if x == a], device=dev), a)
-                for a in heads]
+        return [(None if len(set(ids)) == 1 else
+                 torch.tensor([i for i, x in enumerate(ids) if x == a], device=dev), head)
+                for a, head in heads]
 
     def clear_rows(self) -> None:
         self._groups = []
@@ -373,9 +371,7 @@ class LoraRuntime:
     def add_head(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` (the unembedding of the normed hidden states ``h``) plus the adapters'
         unembedding updates of each row."""
-        for rows, adapter_id in self._head_groups:
-            head = self._fused[adapter_id].head
-            assert head is not None
+        for rows, head in self._head_groups:
             hs = h if rows is None else h.index_select(0, rows)
             delta = (hs @ head[0].t()) @ head[1].t()
             logits = logits + delta if rows is None else logits.index_add(0, rows, delta)

@@ -15,9 +15,11 @@ from typing import Any
 import pytest
 
 pytest.importorskip("tinker")
+
+from tinker_testing import API_KEY, BASE
+
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 
-API_KEY = "tml-palaestra-test"
 
 
 class ServerThread:
@@ -53,7 +55,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def server(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerThread]:
     from palaestra.tinker_api.server import ServerConfig
 
-    config = ServerConfig(model_dir, ("palaestra/tiny",), port=0, api_key=API_KEY,
+    config = ServerConfig(model_dir, (BASE,), port=0, api_key=API_KEY,
                           checkpoint_dir=str(tmp_path_factory.mktemp("tinker-ckpt")),
                           max_batch_datums=64, max_batch_tokens=4096, max_num_samples=16,
                           snapshots_kept=2, poll_timeout_s=5.0)
@@ -70,5 +72,3 @@ def service(server: ServerThread) -> Iterator[Any]:
     yield client
     client.close("success").result(timeout=30)
 
-
-BASE = "palaestra/tiny"

@@ -6,8 +6,15 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from conftest import API_KEY, BASE
-from tinker_testing import COMPLETION, PROMPT, completion_datum, greedy, train_steps
+from tinker_testing import (
+    API_KEY,
+    BASE,
+    COMPLETION,
+    PROMPT,
+    completion_datum,
+    greedy,
+    train_steps,
+)
 
 
 def test_a_client_resumed_with_its_optimizer_continues_the_same_trajectory(

@@ -6,8 +6,14 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from conftest import BASE
-from tinker_testing import PROMPT, completion_datum, completion_logprobs, greedy, train_steps
+from tinker_testing import (
+    BASE,
+    PROMPT,
+    completion_datum,
+    completion_logprobs,
+    greedy,
+    train_steps,
+)
 
 OTHER = [88, 140, 9, 402, 61, 230]
 FIRST = [311, 12, 640, 77, 501, 23]

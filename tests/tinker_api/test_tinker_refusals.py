@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import API_KEY, BASE
-from tinker_testing import COMPLETION, PROMPT, completion_datum, greedy
+from tinker_testing import API_KEY, BASE, COMPLETION, PROMPT, completion_datum, greedy
 
 VOCAB = 1024
 

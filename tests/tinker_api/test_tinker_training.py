@@ -7,8 +7,9 @@ import math
 from typing import Any
 
 import pytest
-from conftest import API_KEY, BASE
 from tinker_testing import (
+    API_KEY,
+    BASE,
     COMPLETION,
     PROMPT,
     completion_datum,

@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+#: the key the test server requires, and the name it serves the tiny model under
+API_KEY = "tml-palaestra-test"
+BASE = "palaestra/tiny"
 PROMPT = [5, 17, 42, 99, 7]
 COMPLETION = [311, 12, 640, 77, 501, 23]
 
