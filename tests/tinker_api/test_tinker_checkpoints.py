@@ -45,6 +45,10 @@ def test_a_client_resumed_with_its_optimizer_continues_the_same_trajectory(
     listed = rest.list_checkpoints(a.model_id).result(timeout=30)
     assert [c.tinker_path for c in listed.checkpoints] == [saved.path]
     assert listed.checkpoints[0].checkpoint_type == "training"
+    info = rest.get_weights_info_by_tinker_path(saved.path).result(timeout=30)
+    assert info.lora_rank == 8 and info.base_model == BASE and info.train_unembed
+    run = rest.get_training_run(a.model_id).result(timeout=30)
+    assert run.base_model == BASE and run.last_checkpoint is not None
 
 
 def test_a_sampler_checkpoint_serves_a_new_sampling_client(service: Any) -> None:
