@@ -56,7 +56,7 @@ async def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig(
         args.model, tuple(args.base_model_name), args.host, args.port, args.api_key, device,
         args.dtype, args.checkpoint_dir, args.max_running, args.max_batch_datums,
-        args.max_batch_tokens, args.max_num_samples, args.snapshots_kept)
+        args.max_batch_tokens, args.max_num_samples, max(1, args.snapshots_kept))
     running = await start_server(config)
     names = ", ".join(config.names)
     print(f"palaestra tinker-server: {names} on {running.url} ({device}); checkpoints in "

@@ -110,6 +110,11 @@ async def asample(request: web.Request) -> web.Response:
                       bool(req.prompt_logprobs), req.topk_prompt_logprobs,
                       req.prompt_logprobs_last_n)
     check_sample(prompt, req.num_samples, spec.max_tokens, server.limits)
+    last_n = spec.prompt_logprobs_last_n
+    if (spec.prompt_logprobs or spec.topk_prompt_logprobs) and (
+            len(prompt) < 2 or (last_n is not None and not 1 <= last_n < len(prompt))):
+        raise ApiError(f"prompt logprobs need a prompt of 2+ tokens and prompt_logprobs_last_n "
+                       f"within 1..{len(prompt) - 1} (prompt: {len(prompt)} tokens)")
     if spec.topk_prompt_logprobs < 0 or spec.topk_prompt_logprobs > server.limits.vocab_size:
         raise ApiError(f"topk_prompt_logprobs {spec.topk_prompt_logprobs} is outside "
                        f"0..{server.limits.vocab_size}")

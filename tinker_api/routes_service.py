@@ -10,7 +10,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from palaestra.tinker_api.app import SERVER_KEY, answer, read_json, read_model
-from palaestra.tinker_api.errors import ApiError
+from palaestra.tinker_api.errors import ApiError, not_found
 from palaestra.tinker_api.futures import Failure
 from palaestra.tinker_api.registry import Checkpoint, TrainingModel
 from palaestra.tinker_api.wire import PROTO_CONTENT_TYPE
@@ -63,11 +63,15 @@ async def heartbeat(request: web.Request) -> web.Response:
 
 
 async def finish_session(request: web.Request) -> web.Response:
+    """Mark a session finished (the first reason wins; finishing again is a no-op)."""
     payload = await read_json(request)
-    registry = request.app[SERVER_KEY].registry
-    session = registry.session(request.match_info["session_id"])
+    session_id = request.match_info["session_id"]
+    session = request.app[SERVER_KEY].registry.sessions.get(session_id)
+    if session is None:
+        raise not_found("session", session_id)
     reason = payload.get("reason")
-    session.finished = str(reason.get("type") if isinstance(reason, dict) else "finished")
+    if session.finished is None:
+        session.finished = str(reason.get("type") if isinstance(reason, dict) else "finished")
     return web.json_response({})
 
 

@@ -99,3 +99,5 @@ def test_unserved_sampling_options_are_refused(service: Any) -> None:
                        topk_sample_logprobs=2).result(timeout=60)
     with pytest.raises(tinker.BadRequestError, match="num_samples"):
         sampler.sample(prompt, 17, types.SamplingParams(max_tokens=2)).result(timeout=60)
+    with pytest.raises(tinker.BadRequestError, match="2\\+ tokens"):
+        sampler.compute_logprobs(types.ModelInput.from_ints([5])).result(timeout=60)
