@@ -7,25 +7,24 @@ but ``/api/v1/healthz`` must carry it in ``X-API-Key`` (the SDK's header).
 
 from __future__ import annotations
 
-import json
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TYPE_CHECKING, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from aiohttp import web
-from pydantic import BaseModel, ValidationError
 
+from palaestra.tinker_api import (
+    routes_sampling,
+    routes_service,
+    routes_training,
+    routes_weights,
+)
 from palaestra.tinker_api.errors import ApiError
+from palaestra.tinker_api.web_io import SERVER_KEY, error_response
 
 if TYPE_CHECKING:
     from palaestra.tinker_api.server import TinkerServer
 
-M = TypeVar("M", bound=BaseModel)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-SERVER_KEY: web.AppKey[TinkerServer] = web.AppKey("tinker_server")
-
-
-def error_response(message: str, status: int) -> web.Response:
-    return web.json_response({"error": message, "detail": message}, status=status)
 
 
 @web.middleware
@@ -47,41 +46,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
                               f"{request.path}", 404)
 
 
-async def read_json(request: web.Request) -> Mapping[str, object]:
-    """The request's JSON object (400 when it is not one)."""
-    try:
-        payload = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(f"{request.path}: the body is not JSON ({exc})") from exc
-    if not isinstance(payload, dict):
-        raise ApiError(f"{request.path}: the body must be a JSON object")
-    return payload
-
-
-async def read_model(request: web.Request, cls: type[M]) -> M:
-    """The body checked by the SDK's pydantic request type (400 with its complaints)."""
-    payload = await read_json(request)
-    try:
-        return cls.model_validate(payload)
-    except ValidationError as exc:
-        raise ApiError(f"{request.path}: bad {cls.__name__}: "
-                       f"{exc.errors(include_url=False)}") from exc
-
-
-def answer(model: BaseModel | Mapping[str, object]) -> web.Response:
-    """A JSON answer from an SDK response type (or a plain mapping)."""
-    body = model.model_dump(mode="json") if isinstance(model, BaseModel) else dict(model)
-    return web.json_response(body)
-
-
 def build_app(server: TinkerServer) -> web.Application:
-    from palaestra.tinker_api import (
-        routes_sampling,
-        routes_service,
-        routes_training,
-        routes_weights,
-    )
-
     app = web.Application(middlewares=[errors_middleware], client_max_size=1 << 30)
     app[SERVER_KEY] = server
     routes_service.add_routes(app)
@@ -91,4 +56,4 @@ def build_app(server: TinkerServer) -> web.Application:
     return app
 
 
-__all__ = ["SERVER_KEY", "answer", "build_app", "error_response", "read_json", "read_model"]
+__all__ = ["build_app"]

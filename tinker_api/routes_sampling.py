@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from palaestra.tinker_api.app import SERVER_KEY, answer, read_model
 from palaestra.tinker_api.errors import ApiError, not_served
 from palaestra.tinker_api.futures import Result
 from palaestra.tinker_api.registry import Sampler
 from palaestra.tinker_api.sampler import SampleSpec
 from palaestra.tinker_api.validate import check_sample
+from palaestra.tinker_api.web_io import SERVER_KEY, answer, read_model
 from palaestra.tinker_api.wire import encode_sample_response
 
 if TYPE_CHECKING:

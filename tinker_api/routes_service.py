@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from palaestra.tinker_api.app import SERVER_KEY, answer, read_json, read_model
 from palaestra.tinker_api.errors import ApiError, not_found
 from palaestra.tinker_api.futures import Failure
 from palaestra.tinker_api.registry import Checkpoint, TrainingModel
+from palaestra.tinker_api.web_io import SERVER_KEY, answer, read_json, read_model
 from palaestra.tinker_api.wire import PROTO_CONTENT_TYPE
 
 

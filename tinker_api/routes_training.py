@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from palaestra.tinker_api.app import SERVER_KEY, answer, read_json, read_model
 from palaestra.tinker_api.errors import ApiError
 from palaestra.tinker_api.futures import Result
 from palaestra.tinker_api.training_ops import (
@@ -20,6 +19,7 @@ from palaestra.tinker_api.training_ops import (
     lora_spec,
 )
 from palaestra.tinker_api.validate import check_batch
+from palaestra.tinker_api.web_io import SERVER_KEY, answer, read_json, read_model
 from palaestra.tinker_api.wire import (
     PROTO_CONTENT_TYPE,
     decode_forward_backward,

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from palaestra.tinker_api.app import SERVER_KEY, read_model
 from palaestra.tinker_api.errors import ApiError, not_served
 from palaestra.tinker_api.futures import Result
 from palaestra.tinker_api.registry import Checkpoint, Sampler, TrainingModel, check_name
 from palaestra.tinker_api.training_ops import add_model, check_optimizer, future_answer
+from palaestra.tinker_api.web_io import SERVER_KEY, read_model
 
 if TYPE_CHECKING:
     from palaestra.tinker_api.server import TinkerServer
