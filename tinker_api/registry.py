@@ -119,7 +119,7 @@ class Registry:
     def model(self, model_id: str) -> TrainingModel:
         model = self.models.get(model_id)
         if model is None:
-            raise not_found("model_id", model_id, sorted(self.models))
+            raise not_found("model_id", model_id)
         model.touch()
         return model
 

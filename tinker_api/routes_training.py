@@ -64,8 +64,7 @@ async def get_info(request: web.Request) -> web.Response:
 async def forward_backward(request: web.Request) -> web.Response:
     server = request.app[SERVER_KEY]
     if request.content_type == PROTO_CONTENT_TYPE:
-        batch = decode_forward_backward(await request.read(),
-                                        request.headers.get("Content-Encoding"))
+        batch = decode_forward_backward(await request.read())
     else:
         batch = decode_forward_backward_json(await read_json(request), forward_only=False)
     server.registry.model(batch.model_id)

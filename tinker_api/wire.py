@@ -1,7 +1,7 @@
 """Protobuf bodies of the Tinker API, read and written with the SDK's generated module.
 
 The SDK (0.25 and later) sends ``forward_backward`` as a ``tinker_public.ForwardBackwardRequest``
-(``Content-Type: application/x-protobuf``, optionally zstd-compressed) and asks for
+(``Content-Type: application/x-protobuf``) and asks for
 ``ForwardBackwardOutput`` and ``SampleResponse`` results as protobuf (``Accept:
 application/x-protobuf``). This module turns the request into plain `TrainBatch` data (token
 lists and numpy arrays) and the server's results back into protobuf bytes; the JSON form of a
@@ -88,14 +88,9 @@ def _chunk_tokens(chunk: Any) -> list[int]:
     return np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
 
 
-def decode_forward_backward(body: bytes, content_encoding: str | None) -> TrainBatch:
-    """A protobuf ``ForwardBackwardRequest`` body (``zstd`` encoding allowed)."""
-    if content_encoding == "zstd":
-        import zstandard
-
-        body = zstandard.ZstdDecompressor().decompress(body, max_output_size=1 << 31)
-    elif content_encoding not in (None, "", "identity"):
-        raise ApiError(f"Content-Encoding {content_encoding!r} is not served (zstd or none)")
+def decode_forward_backward(body: bytes) -> TrainBatch:
+    """A protobuf ``ForwardBackwardRequest`` body (aiohttp has undone any Content-Encoding it
+    supports; the client config asks the SDK not to compress)."""
     msg = _pb().ForwardBackwardRequest()
     try:
         msg.ParseFromString(body)

@@ -107,6 +107,15 @@ def main() -> None:
     tokenizer_utils.register_tokenizer(MODEL_NAME, lambda: tokenizer)
     data = local_gsm8k(args.steps * args.batch_size, seed=0, skew=args.skew)
     datasets.load_dataset = lambda *a, **k: data  # the recipe's only download
+    graded: list[tuple[bool, float]] = []  # (the answer is 7, reward), in the recipe's order
+    grade = rl_loop.get_reward
+
+    def get_reward(response: str, answer: str) -> float:  # the recipe's reward, observed
+        reward = grade(response, answer)
+        graded.append((answer.endswith("#### 7"), reward))
+        return reward
+
+    rl_loop.get_reward = get_reward
     Path(args.log_path).mkdir(parents=True, exist_ok=True)
     warm_start(args, tokenizer)
     rl_loop.main(rl_loop.Config(
@@ -119,6 +128,12 @@ def main() -> None:
     k = max(1, len(rewards) // 5)
     print(f"reward: first {k} steps {sum(rewards[:k]) / k:.3f}, last {k} steps "
           f"{sum(rewards[-k:]) / k:.3f} ({len(rewards)} steps)")
+    per_step = args.batch_size * args.group_size
+    for label, part in (("first", graded[:k * per_step]), ("last", graded[-k * per_step:])):
+        sevens = [r for seven, r in part if seven]
+        others = [r for seven, r in part if not seven]
+        print(f"{label} {k} steps: reward on '7' tasks {sum(sevens) / max(len(sevens), 1):.3f}, "
+              f"on the other tasks {sum(others) / max(len(others), 1):.3f}")
 
 
 if __name__ == "__main__":
