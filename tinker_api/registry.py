@@ -61,6 +61,7 @@ class TrainingModel:
     last_request: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     checkpoints: dict[str, Checkpoint] = field(default_factory=dict)  # by checkpoint_id
     snapshots: int = 0  # ephemeral sampler snapshots taken
+    released: bool = False  # its session finished: adapter and optimizer freed
 
     def touch(self) -> None:
         self.last_request = datetime.now(timezone.utc)
@@ -116,10 +117,15 @@ class Registry:
             raise ApiError(f"session {session_id!r} has finished ({session.finished})", 410)
         return session
 
-    def model(self, model_id: str) -> TrainingModel:
+    def model(self, model_id: str, *, live: bool = True) -> TrainingModel:
+        """A training model; ``live``: one that can still train (its session has not finished;
+        finished ones are kept for their run and checkpoint records)."""
         model = self.models.get(model_id)
         if model is None:
             raise not_found("model_id", model_id)
+        if live and model.released:
+            raise ApiError(f"model {model_id!r} was released when its session finished; make a "
+                           "new training client (e.g. from one of its checkpoints)", 410)
         model.touch()
         return model
 

@@ -7,6 +7,8 @@ uses plain API keys, httpx, one ``retrieve_future`` per result and client-side c
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from aiohttp import web
 
 from palaestra.tinker_api.errors import ApiError, not_found
@@ -14,6 +16,9 @@ from palaestra.tinker_api.futures import Failure
 from palaestra.tinker_api.registry import Checkpoint, TrainingModel
 from palaestra.tinker_api.web_io import SERVER_KEY, answer, read_json, read_model
 from palaestra.tinker_api.wire import PROTO_CONTENT_TYPE
+
+if TYPE_CHECKING:
+    from palaestra.tinker_api.server import TinkerServer
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -63,16 +68,32 @@ async def heartbeat(request: web.Request) -> web.Response:
 
 
 async def finish_session(request: web.Request) -> web.Response:
-    """Mark a session finished (the first reason wins; finishing again is a no-op)."""
+    """Mark a session finished (the first reason wins; finishing again is a no-op) and free its
+    training clients' adapters and its snapshot samplers; records and checkpoints stay."""
     payload = await read_json(request)
     session_id = request.match_info["session_id"]
-    session = request.app[SERVER_KEY].registry.sessions.get(session_id)
+    server = request.app[SERVER_KEY]
+    session = server.registry.sessions.get(session_id)
     if session is None:
         raise not_found("session", session_id)
-    reason = payload.get("reason")
     if session.finished is None:
+        reason = payload.get("reason")
         session.finished = str(reason.get("type") if isinstance(reason, dict) else "finished")
+        await release_session(server, session_id)
     return web.json_response({})
+
+
+async def release_session(server: TinkerServer, session_id: str) -> None:
+    """Free what a finished session holds in the trainer and the engine."""
+    for model in [m for m in server.registry.models.values()
+                  if m.session_id == session_id and not m.released]:
+        model.released = True
+        await server.compute(server.trainer.remove, model.model_id)
+    for sampler in [s for s in server.registry.samplers.values()
+                    if s.sampler_id.startswith(f"{session_id}:") and s.adapter is not None
+                    and s.model_path is None]:
+        if await server.sampler.unload(sampler.adapter):
+            server.registry.samplers.pop(sampler.sampler_id, None)
 
 
 async def telemetry(request: web.Request) -> web.Response:
@@ -120,13 +141,13 @@ def _run_json(model: TrainingModel) -> dict[str, object]:
 
 
 async def list_checkpoints(request: web.Request) -> web.Response:
-    model = request.app[SERVER_KEY].registry.model(request.match_info["model_id"])
+    model = request.app[SERVER_KEY].registry.model(request.match_info["model_id"], live=False)
     return web.json_response({"checkpoints": [_checkpoint_json(c)
                                               for c in model.checkpoints.values()]})
 
 
 async def training_run(request: web.Request) -> web.Response:
-    model = request.app[SERVER_KEY].registry.model(request.match_info["model_id"])
+    model = request.app[SERVER_KEY].registry.model(request.match_info["model_id"], live=False)
     return web.json_response(_run_json(model))
 
 
