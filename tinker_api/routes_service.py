@@ -89,11 +89,11 @@ async def release_session(server: TinkerServer, session_id: str) -> None:
                   if m.session_id == session_id and not m.released]:
         model.released = True
         await server.compute(server.trainer.remove, model.model_id)
-    for sampler in [s for s in server.registry.samplers.values()
-                    if s.sampler_id.startswith(f"{session_id}:") and s.adapter is not None
-                    and s.model_path is None]:
-        if await server.sampler.unload(sampler.adapter):
-            server.registry.samplers.pop(sampler.sampler_id, None)
+    snapshots = [(s.sampler_id, s.adapter) for s in server.registry.samplers.values()
+                 if s.sampler_id.startswith(f"{session_id}:") and s.model_path is None]
+    for sampler_id, adapter in snapshots:
+        if adapter is not None and await server.sampler.unload(adapter):
+            server.registry.samplers.pop(sampler_id, None)
 
 
 async def telemetry(request: web.Request) -> web.Response:
