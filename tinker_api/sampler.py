@@ -45,8 +45,8 @@ class SampleSpec:
 def engine_params(spec: SampleSpec, index: int) -> SamplingParams:
     """The engine's parameters for sample ``index`` (a seed gives every sample its own seed).
 
-    ``stop=None`` stops at EOS; a list (of strings or token ids) replaces EOS, and ``[]`` stops
-    at nothing but ``max_tokens``, as the SDK documents."""
+    ``stop=None`` stops at EOS; a given stop (a string, strings or token ids) replaces EOS, and
+    ``[]`` stops at nothing but ``max_tokens``, as the SDK documents."""
     stop_strs: tuple[str, ...] = ()
     stop_ids: tuple[int, ...] = ()
     if isinstance(spec.stop, str):
@@ -66,7 +66,7 @@ def engine_params(spec: SampleSpec, index: int) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
             top_k=spec.top_k, stop_token_ids=stop_ids, stop=stop_strs, seed=seed,
-            ignore_eos=spec.stop is not None and not isinstance(spec.stop, str))
+            ignore_eos=spec.stop is not None)
     except ValueError as exc:  # ConfigError from SamplingParams' checks
         raise ApiError(f"bad sampling_params: {exc}") from exc
 

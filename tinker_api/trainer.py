@@ -103,7 +103,8 @@ class MultiLoraTrainer:
         config = peft.LoraConfig(r=spec.rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
                                  target_modules=spec.targets(), bias="none",
                                  task_type="CAUSAL_LM")
-        with torch.random.fork_rng(devices=[]):
+        cuda = [self.device.index or 0] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # the seed draws A where the model lives
             if spec.seed is not None:
                 torch.manual_seed(spec.seed)
             if self.model is None:
