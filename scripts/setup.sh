@@ -50,6 +50,6 @@ fi
 "$VENV/bin/python" -m pip install -q "torch==2.13.0" || "$VENV/bin/python" -m pip install -q "torch>=2.4"
 # verifiers and openenv: the ecosystem adapters' libraries, so their tests run against the real
 # packages (verifiers 0.4 pins mcp==2.0.0 and openai<3, which the rest of the set accepts)
-"$VENV/bin/python" -m pip install -q -e ".[ray,docker,sandbox,data,mcp,verifiers,openenv,lora,gguf,dev]"
+"$VENV/bin/python" -m pip install -q -e ".[ray,docker,sandbox,data,mcp,verifiers,openenv,lora,gguf,tinker,dev]"
 echo "$want" >"$STAMP"
 echo "palaestra installed in $VENV (activate with: source $VENV/bin/activate)"

@@ -26,7 +26,8 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COMPONENTS = ("envs", "agents", "engines", "rollout", "sandbox", "trainers", "run", "benchmarks")
+COMPONENTS = ("envs", "agents", "engines", "rollout", "sandbox", "trainers", "run", "benchmarks",
+              "tinker_api")
 COLLABORATORS = {
     "engine", "backend", "spec", "env", "agent", "worker", "manager", "tokenizer", "renderer",
     "parser", "sandbox", "model", "policy", "client", "handle", "cfg", "config", "router",

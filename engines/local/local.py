@@ -297,17 +297,20 @@ class LocalEngine:
         s = self._scheduler
         s.version = s.version + 1 if version is None else int(version)
 
-    async def full_logprobs(self, request: FullLogprobsRequest) -> torch.Tensor:
+    async def full_logprobs(self, request: FullLogprobsRequest, *, lora: str | None = None
+                            ) -> torch.Tensor:
         """The full next-token log-distributions (float32 ``[positions, V]``, on the CPU) of a
         sequence at the request's positions, from this engine's forward and sampler
         (`palaestra.engines.local.parity`): in bitwise mode the bits it sampled from. Runs
-        between two steps with the current weights."""
+        between two steps with the current weights; ``lora`` names a loaded adapter (None: the
+        default adapter, if any)."""
         from palaestra.engines.local.parity import full_logprobs
 
         request.check(self.max_model_len)
 
         def run() -> torch.Tensor:
-            return full_logprobs(self.decoder, request, invariant=self._sampler.invariant).cpu()
+            return full_logprobs(self.decoder, request, invariant=self._sampler.invariant,
+                                 lora=lora).cpu()
 
         async with self._scheduler.between_steps():
             out: torch.Tensor = await self._runner.compute(run)

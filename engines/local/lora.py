@@ -4,7 +4,9 @@ A `LoraAdapter` is a peft adapter (a folder written by ``save_pretrained``, or t
 in-memory state dict and config) turned into the engine's fused layout: per decoder layer and
 fused projection (``qkv``, ``o``, ``gate_up``, ``down``) one ``A`` ``[R, in]`` (the modules'
 A matrices stacked) and one ``B`` ``[out, R]`` (their B matrices, block-diagonal, the scale
-``alpha / r`` folded in), so one adapter costs two small GEMMs per projection.
+``alpha / r`` folded in), so one adapter costs two small GEMMs per projection. An adapter that
+also trains the unembedding (``lm_head``) adds its update to the logits (`LoraRuntime.add_head`),
+low-rank in both modes (the unembedding may be tied to the embedding, so it is never merged).
 
 `LoraRuntime` holds the adapters an engine serves and adds their updates inside the decoder's
 forward passes. Requests name their adapter (SGLang's ``lora_path``); a request that names
@@ -116,6 +118,8 @@ class _Fused:
 
     adapter: LoraAdapter
     ops: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=list)
+    #: the unembedding's ``(A [r, hidden], B [vocab, r])``, if the adapter trains it
+    head: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class LoraRuntime:
@@ -141,6 +145,8 @@ class LoraRuntime:
         self._merged: int = 0  # the adapter written into the weights (merged mode)
         self._base: dict[str, torch.Tensor] = {}  # module -> its base weight, while merged
         self._groups: list[tuple[torch.Tensor | None, list[tuple[float, int]]]] = []
+        self._head_groups: list[tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]]
+        self._head_groups = []  # (logit rows, the unembedding's A and B): never merged
 
     # ------------------------------------------------------------------------ adapters
     @property
@@ -204,6 +210,8 @@ class LoraRuntime:
         dev, dtype = dec.embed.device, dec.dtype
         unknown = []
         for module in adapter.modules:
+            if module == "lm_head":
+                continue
             bits = module.split(".")
             ok = (len(bits) == 5 and bits[0] == "model" and bits[1] == "layers"
                   and bits[2].isdigit() and int(bits[2]) < len(dec.layers)
@@ -212,7 +220,7 @@ class LoraRuntime:
                 unknown.append(module)
         if unknown:
             raise EngineError(f"adapter {adapter.name!r} targets modules the engine has no "
-                              f"low-rank path for: {unknown[:3]} (use q/k/v/o/gate/up/down_proj)")
+                              f"low-rank path for: {unknown[:3]} (use q/k/v/o/gate/up/down_proj, lm_head)")
         fused = _Fused(adapter)
         for i in range(len(dec.layers)):
             ops: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -243,7 +251,23 @@ class LoraRuntime:
                                       f"{a_cat.shape[1]} inputs, the model {self._in_features(op)}")
                 ops[op] = (a_cat.to(dev, dtype), b.to(dev, dtype))
             fused.ops.append(ops)
+        if "lm_head" in adapter.modules:
+            fused.head = self._fuse_head(adapter)
         return fused
+
+    def _fuse_head(self, adapter: LoraAdapter) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unembedding's update, applied low-rank to the logits (never merged: it may be
+        tied to the embedding, and bitwise mode reads merged weights only)."""
+        dec, c = self.decoder, self.decoder.config
+        if dec.bitwise:
+            raise EngineError(f"adapter {adapter.name!r} trains the unembedding (lm_head), which "
+                              "bitwise on-policy mode cannot serve")
+        a, b = adapter.modules["lm_head"]
+        if a.shape[1] != c.hidden_size or b.shape != (c.vocab_size, a.shape[0]):
+            raise EngineError(f"adapter {adapter.name!r}: lm_head A {tuple(a.shape)} / B "
+                              f"{tuple(b.shape)} do not fit hidden {c.hidden_size}, vocab "
+                              f"{c.vocab_size}: trained on another model?")
+        return a.to(dec.embed.device, dec.dtype), b.to(dec.embed.device, dec.dtype)
 
     @staticmethod
     def _module_name(layer: int, module: str) -> str:
@@ -263,6 +287,8 @@ class LoraRuntime:
         adapter = self._fused[adapter_id].adapter
         with torch.no_grad():
             for module, (a, b) in adapter.modules.items():
+                if module == "lm_head":  # applied low-rank to the logits (`add_head`)
+                    continue
                 view = self.decoder.weight(module + ".weight")
                 base = self._base.setdefault(module, view.detach().clone())
                 view.copy_(merged_weight(base, a.to(view.device), b.to(view.device),
@@ -295,8 +321,9 @@ class LoraRuntime:
             if terms:
                 want[adapter_id] = terms
         self._groups = []
+        self._head_groups = self._head_rows(ids)
         if not want:
-            return False
+            return bool(self._head_groups)
         counts = list(lens) if lens is not None else [1] * len(ids)
         per_row = torch.tensor(ids).repeat_interleave(torch.tensor(counts))
         dev = self.decoder.embed.device
@@ -308,8 +335,30 @@ class LoraRuntime:
                 self._groups.append((rows, terms))
         return True
 
+    def _head_rows(self, ids: Sequence[int]
+                   ) -> list[tuple[torch.Tensor | None, tuple[torch.Tensor, torch.Tensor]]]:
+        """The unembedding updates: the logits of a forward have one row per request (decode,
+        a prefill's last tokens) or are one request's (a full-sequence prefill)."""
+        import torch
+
+        heads = [(a, head) for a in sorted(set(ids)) if a and (head := self._fused[a].head)]
+        dev = self.decoder.embed.device
+        return [(None if len(set(ids)) == 1 else
+                 torch.tensor([i for i, x in enumerate(ids) if x == a], device=dev), head)
+                for a, head in heads]
+
     def clear_rows(self) -> None:
         self._groups = []
+        self._head_groups = []
+
+    def add_head(self, h: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` (the unembedding of the normed hidden states ``h``) plus the adapters'
+        unembedding updates of each row."""
+        for rows, head in self._head_groups:
+            hs = h if rows is None else h.index_select(0, rows)
+            delta = (hs @ head[0].t()) @ head[1].t()
+            logits = logits + delta if rows is None else logits.index_add(0, rows, delta)
+        return logits
 
     def add(self, layer: Any, op: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the fused projection of ``x``) plus the low-rank updates of each row."""

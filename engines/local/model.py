@@ -469,7 +469,10 @@ class Decoder:
 
         c = self.config
         h = F.rms_norm(h, (c.hidden_size,), self.final_norm, c.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        logits = F.linear(h, self.lm_head)
+        if self.lora is not None:  # LoRA: adapters that train the unembedding
+            logits = self.lora.add_head(h, logits)
+        return logits.float()
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, cache: SlotKVCache,
                key_len: int) -> torch.Tensor:

@@ -71,10 +71,11 @@ class FullLogprobsRequest:
             raise EngineError(f"temperature {self.temperature} < 0")
 
 
-def full_logprobs(decoder: Decoder, request: FullLogprobsRequest, *, invariant: bool
-                  ) -> torch.Tensor:
+def full_logprobs(decoder: Decoder, request: FullLogprobsRequest, *, invariant: bool,
+                  lora: str | None = None) -> torch.Tensor:
     """Float32 ``[len(positions), V]`` log-probabilities on the decoder's device; ``invariant``:
-    the sampler's bitwise-mode log-softmax. Runs on the engine's compute thread."""
+    the sampler's bitwise-mode log-softmax; ``lora``: a loaded adapter's name (None: the default
+    adapter, if any). Runs on the engine's compute thread."""
     import torch
 
     from palaestra.engines.local.sampling import sampling_log_probs
@@ -82,14 +83,17 @@ def full_logprobs(decoder: Decoder, request: FullLogprobsRequest, *, invariant: 
     device = decoder.embed.device
     tokens = torch.tensor(request.token_ids, dtype=torch.long, device=device)
     rows = torch.tensor(request.positions, dtype=torch.long, device=device) - 1
-    lora = decoder.lora
-    if lora is not None:  # the default adapter, what requests that name none sampled with
-        lora.set_rows([lora.default], [len(request.token_ids)])
+    runtime = decoder.lora
+    if lora is not None and runtime is None:
+        raise EngineError(f"no LoRA adapter named {lora!r} is loaded (none are)")
+    if runtime is not None:  # the default adapter is what requests that name none sampled with
+        adapter = runtime.default if lora is None else runtime.id_of(lora)
+        runtime.set_rows([adapter], [len(request.token_ids)])
     try:
         logits = decoder.prefill_full(tokens, rows).float()
     finally:
-        if lora is not None:
-            lora.clear_rows()
+        if runtime is not None:
+            runtime.clear_rows()
     t = request.temperature if request.temperature > 1e-6 else 1.0
     temps = torch.full((rows.shape[0],), t, dtype=torch.float32, device=device)
     return sampling_log_probs(logits, temps, invariant=invariant)

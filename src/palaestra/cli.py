@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("palaestra.rollout.gateway.cli", "OpenAI-compatible gateway for external agents"),
     "engines": ("palaestra.run.engines_cli",
                 "add, remove and list the engines of a running training run"),
+    "tinker-server": ("palaestra.tinker_api.cli",
+                      "serve a local model with the Tinker training and sampling API"),
 }
 
 

@@ -25,7 +25,7 @@ PACKAGE = ROOT / "src" / "palaestra"
 
 #: rank of each layer: a module may depend on layers of lower or equal rank
 RANK = {"core": 0, "sandbox": 1, "engines": 1, "envs": 2, "agents": 3, "rollout": 4,
-        "trainers": 4, "run": 5, "benchmarks": 6}
+        "trainers": 4, "run": 5, "tinker_api": 5, "benchmarks": 6}
 COMPONENTS = tuple(c for c in RANK if c != "core")
 #: (importer layer, imported layer) pairs refused even though the rank allows them
 FORBIDDEN = {

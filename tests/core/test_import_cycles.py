@@ -157,7 +157,7 @@ def test_every_component_is_in_the_graph() -> None:
     paths = module_paths()
     components = {name.split(".")[1] for name in paths if name.count(".") >= 1}
     assert {"engines", "envs", "agents", "rollout", "sandbox", "trainers", "run",
-            "benchmarks"} <= components
+            "benchmarks", "tinker_api"} <= components
     assert len(paths) > 250
 
 

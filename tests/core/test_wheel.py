@@ -46,7 +46,8 @@ def test_wheel_installs_and_cli_runs(tmp_path):
     )
     wheel = next((tmp_path / "dist").glob("palaestra-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    for component in ("envs", "agents", "engines", "rollout", "sandbox", "trainers", "run", "benchmarks"):
+    for component in ("envs", "agents", "engines", "rollout", "sandbox", "trainers", "run",
+                      "benchmarks", "tinker_api"):
         assert any(n.startswith(f"palaestra/{component}/") for n in names), component
     assert len(names) == len(set(names))
 

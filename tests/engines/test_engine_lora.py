@@ -136,3 +136,62 @@ def test_bad_adapter_folders_are_refused(tmp_path: Path) -> None:
     with pytest.raises(EngineError, match="not a LoRA A/B"):
         LoraAdapter.from_peft("x", {"base_model.model.lm_head.weight": torch.zeros(2, 2)},
                               {"r": 2, "lora_alpha": 4})
+
+
+def _peft_with_unembedding(model_dir: str, seed: int):
+    """A peft model whose adapter also trains lm_head (tied to the embedding here), random
+    non-zero A and B, and that adapter as the engine parses it."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj", "lm_head"])
+    model = get_peft_model(base, config)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    state = {k: v for k, v in get_peft_model_state_dict(model, save_embedding_layers=False
+                                                        ).items() if "lora_" in k}
+    cfg = {"r": 4, "lora_alpha": 8, "use_rslora": False}
+    return model.eval(), LoraAdapter.from_peft("head", state, cfg)
+
+
+def _peft_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    ids, lps = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            tok = int(logp.argmax())
+            ids.append(tok)
+            lps.append(float(logp[tok]))
+    return ids[len(prompt):], lps
+
+
+@pytest.mark.parametrize("mode", ["merged", "lowrank"])
+async def test_an_adapter_on_the_unembedding_matches_peft(model_dir: str, adapters, mode: str
+                                                          ) -> None:
+    from palaestra.engines.local.parity import FullLogprobsRequest
+
+    model, head = _peft_with_unembedding(model_dir, 3)
+    engine = LocalEngine(model_dir, lora_mode=mode, prefix_cache_tokens=0)
+    try:
+        await engine.load_lora_adapter("head", adapter=head)
+        await engine.load_lora_adapter("b", str(adapters["b"][0]))
+        # rows of the head adapter next to rows of another adapter and of the base model
+        gens = await run_all(engine, ["head", "b", None])
+        for i, prompt in enumerate(PROMPTS):
+            tokens, lps = _peft_greedy(model, prompt, GREEDY.max_new_tokens)
+            got = gens[3 * i]
+            assert list(got.token_ids) == tokens
+            torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(lps),
+                                       atol=1e-4, rtol=0)
+        seq = PROMPTS[2]
+        full = await engine.full_logprobs(FullLogprobsRequest.of(seq, range(1, len(seq))),
+                                          lora="head")
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([seq])).logits[0, :-1].float(), -1)
+        torch.testing.assert_close(full, want, atol=1e-4, rtol=0)
+    finally:
+        await engine.close()
