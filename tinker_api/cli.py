@@ -46,7 +46,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from palaestra.tinker_api.server import ServerConfig, start_server
+    from palaestra.tinker_api.listen import start_server
+    from palaestra.tinker_api.server import ServerConfig
 
     device = args.device
     if device is None:

@@ -4,8 +4,9 @@ Training work (forward/backward, optimizer steps, adapter exports, checkpoint I/
 compute thread in the order requests arrive, which is the order of each client's ``seq_id``s:
 the SDK sends a training client's next request only after the previous one was accepted.
 Sampling runs in the engine's own thread with continuous batching, so samples of several
-clients share batches. `start_server` runs the HTTP app inside a running event loop (tests,
-notebooks); ``palaestra tinker-server`` (`palaestra.tinker_api.cli`) runs it as a process.
+clients share batches. `palaestra.tinker_api.listen.start_server` runs the HTTP app inside a
+running event loop (tests, notebooks); ``palaestra tinker-server`` (`palaestra.tinker_api.cli`)
+runs it as a process.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from palaestra.tinker_api.registry import Registry
 from palaestra.tinker_api.validate import Limits
 
 if TYPE_CHECKING:
-    from aiohttp import web
-
     from palaestra.tinker_api.sampler import SamplerEngine
     from palaestra.tinker_api.trainer import MultiLoraTrainer
 
@@ -113,36 +112,4 @@ class TinkerServer:
         self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-@dataclass
-class RunningServer:
-    """A server listening on ``url``; `stop` closes the port and the engine."""
-
-    url: str
-    server: TinkerServer
-    runner: web.AppRunner
-
-    async def stop(self) -> None:
-        await self.runner.cleanup()
-        await self.server.close()
-
-
-async def start_server(config: ServerConfig, server: TinkerServer | None = None
-                       ) -> RunningServer:
-    """Build the server (unless given) and listen on ``config.host:config.port`` (port 0: a
-    free one); returns once the port is open."""
-    from aiohttp import web
-
-    from palaestra.tinker_api.app import build_app
-
-    server = server or await TinkerServer.create(config)
-    runner = web.AppRunner(build_app(server), access_log=None, shutdown_timeout=2.0)
-    await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port)
-    await site.start()
-    sockets = getattr(site._server, "sockets", None) or []  # aiohttp's bound sockets
-    port = sockets[0].getsockname()[1] if sockets else config.port
-    host = f"[{config.host}]" if ":" in config.host else config.host
-    return RunningServer(f"http://{host}:{port}", server, runner)
-
-
-__all__ = ["RunningServer", "ServerConfig", "TinkerServer", "start_server"]
+__all__ = ["ServerConfig", "TinkerServer"]

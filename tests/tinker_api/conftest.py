@@ -26,7 +26,7 @@ class ServerThread:
     """`start_server` on an event loop of its own thread."""
 
     def __init__(self, config: Any) -> None:
-        from palaestra.tinker_api.server import start_server
+        from palaestra.tinker_api.listen import start_server
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
