@@ -323,10 +323,20 @@ async def test_unknown_model_is_404(serve) -> None:
 
 async def test_drain_lets_short_requests_finish(serve) -> None:
     server = await serve()
+    # Wait on the admission itself, not on ``inflight > 0``: a short request can be admitted and
+    # finished between two polls, and a poll for it would then wait forever.
+    admitted = asyncio.Event()
+    track = server.state.track
+
+    def track_and_note(delta: int) -> None:
+        track(delta)
+        if delta > 0:
+            admitted.set()
+
+    server.state.track = track_and_note  # type: ignore[method-assign]
     task = asyncio.create_task(call(server.url + "/generate", {
-        "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4, "ignore_eos": True}}))
-    while server.state.inflight == 0:
-        await asyncio.sleep(0.005)
+        "input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}}))
+    await asyncio.wait_for(admitted.wait(), 60)
     assert await server.drain(grace_s=60)  # finished within the grace period
     status, out = await task
     assert status == 200 and out["meta_info"]["finish_reason"]["type"] == "length"
