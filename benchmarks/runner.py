@@ -23,8 +23,9 @@ from palaestra.benchmarks.registry import get_benchmark
 from palaestra.benchmarks.spec import Benchmark
 from palaestra.benchmarks.store import SampleKey, SampleStore, check_run_meta, key_of, light
 from palaestra.benchmarks.summary import summarize, write_summary
-from palaestra.errors import ConfigError, EngineError
 from palaestra.engine import SamplingParams
+from palaestra.errors import ConfigError, EngineError
+from palaestra.progress import progress_bar
 from palaestra.rollout.episode import EpisodeRequest, Player
 from palaestra.types import StopReason, Trajectory
 
@@ -203,9 +204,7 @@ async def _run_benchmark(
 def _progress(name: str, total: int, counts: Mapping[str, int], *, enabled: bool) -> Any:
     if not enabled:
         return None
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=total, initial=counts["done"], desc=name, unit="sample", dynamic_ncols=True)
+    bar = progress_bar(total, initial=counts["done"], desc=name, unit="sample")
     _tick(bar, counts, advance=False)
     return bar
 

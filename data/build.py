@@ -12,6 +12,9 @@ What it writes (licences and origins in ``data/README.md`` and each folder's ``S
 - ``search/multihop.jsonl.gz``: the 300 HotpotQA/MuSiQue questions answerable from that corpus as
   Search-R1 rows ``{"id", "question", "golden_answers", "data_source", "gold_ids"}``, where
   ``gold_ids`` are the corpus ids of the supporting paragraphs.
+- ``search/multihop_split.jsonl.gz``: the same 300 rows with ``"split"``, for training on them:
+  every third row (index 2, 5, 8, ...) is held out (100 rows: 66 HotpotQA, 34 MuSiQue), and the
+  held-out rows come last, so a run's ``eval.num_tasks = 100`` tail is exactly them.
 - ``search/nq_open_dev.jsonl.gz``: NQ-open dev (3,610 rows ``{"question", "answer"}``), verbatim.
 - ``math/gsm8k_{train,test}.jsonl.gz``, ``math/math500_test.jsonl.gz``: verbatim rows.
 - ``code/humaneval.jsonl.gz`` (verbatim), ``code/mbpp.jsonl.gz`` (the full 974-task file, verbatim).
@@ -114,6 +117,19 @@ def build_search(shared: Path, out: Path) -> None:
     _gzip_verbatim(shared / "nq_open/NQ-open.dev.jsonl", out / "search/nq_open_dev.jsonl.gz")
 
 
+def split_multihop(questions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Train rows first, then the held-out ones (every third row, by position in the file)."""
+    train = [{**row, "split": "train"} for i, row in enumerate(questions) if i % 3 != 2]
+    held_out = [{**row, "split": "heldout"} for i, row in enumerate(questions) if i % 3 == 2]
+    return train + held_out
+
+
+def build_search_split(out: Path) -> None:
+    with gzip.open(out / "search/multihop.jsonl.gz", "rt", encoding="utf-8") as f:
+        questions = [json.loads(line) for line in f]
+    _write_jsonl_gz(out / "search/multihop_split.jsonl.gz", split_multihop(questions))
+
+
 def build_math_and_code(shared: Path, out: Path) -> None:
     _gzip_verbatim(shared / "gsm8k/train.jsonl", out / "math/gsm8k_train.jsonl.gz")
     _gzip_verbatim(shared / "gsm8k/test.jsonl", out / "math/gsm8k_test.jsonl.gz")
@@ -128,6 +144,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=HERE)
     args = parser.parse_args()
     build_search(args.shared, args.out)
+    build_search_split(args.out)
     build_math_and_code(args.shared, args.out)
 
 

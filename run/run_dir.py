@@ -296,9 +296,19 @@ class ConsoleLog:
         self._file.close()
 
 
-def _plot_tool_calls(ax: Any, rows: list[dict[str, Any]], evals: list[dict[str, Any]]) -> None:
-    """Tool calls (Search-R1: searches) per episode over the RL steps; the held-out stages'
-    means in the legend."""
+def tool_calls_title(env_id: str | None) -> str:
+    """The tool-call panel's title, in the env's words: a search env's tool calls are searches;
+    any other env's are its tool calls, named with the env."""
+    if env_id is None:
+        return "tool calls per episode"
+    if "search" in env_id.lower():
+        return "searches per episode"
+    return f"tool calls per episode ({env_id.rsplit('/', 1)[-1]})"
+
+
+def _plot_tool_calls(ax: Any, rows: list[dict[str, Any]], evals: list[dict[str, Any]],
+                     title: str) -> None:
+    """Tool calls per episode over the RL steps; the held-out stages' means in the legend."""
     pts = [(r.get("global_step", r["step"]), r["tool_calls/mean"]) for r in rows
            if r.get("phase") == "rl" and r.get("tool_calls/mean") is not None]
     held = ", ".join(f"{e['stage']} {e['tool_calls_mean']:.2f}" for e in evals
@@ -307,7 +317,7 @@ def _plot_tool_calls(ax: Any, rows: list[dict[str, Any]], evals: list[dict[str, 
         ax.plot(*zip(*pts), color="tab:orange", label="rollouts")
     if held:
         ax.plot([], [], " ", label=f"held-out: {held}")
-    ax.set_title("tool calls (searches) per episode")
+    ax.set_title(title)
     ax.set_xlabel("step")
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best", fontsize=8)
@@ -339,10 +349,10 @@ def _plot_critic(axes: Any, rows: list[dict[str, Any]]) -> None:
             ax.legend(loc="best", fontsize=8)
 
 
-def plot_curves(run: RunDir) -> Path | None:
+def plot_curves(run: RunDir, env_id: str | None = None) -> Path | None:
     """``curves.png``: reward, response length and loss per step, eval success per stage, tool
-    calls per episode; with a critic (PPO) also explained variance, mean value vs mean return,
-    value loss and clip fraction."""
+    calls per episode (titled for ``env_id``: `tool_calls_title`); with a critic (PPO) also
+    explained variance, mean value vs mean return, value loss and clip fraction."""
     rows = run.read_jsonl("metrics.jsonl")
     if not rows:
         return None
@@ -377,7 +387,7 @@ def plot_curves(run: RunDir) -> Path | None:
         axes[3].set_ylim(0, 1)
         axes[3].set_title("held-out success rate")
         axes[3].tick_params(axis="x", rotation=45)
-    _plot_tool_calls(axes[4], rows, evals)
+    _plot_tool_calls(axes[4], rows, evals, tool_calls_title(env_id))
     if critic:
         _plot_critic(axes[5:], rows)
     fig.tight_layout()

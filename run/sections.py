@@ -285,7 +285,7 @@ class LoggingSection(Section):
     wandb_project: str | None = None
     """Also log to this W&B project (needs wandb and a login)."""
     progress: bool = True
-    """Show a progress bar."""
+    """Show progress: a bar on a terminal, a line every tenth of the work or 30 s in a file."""
 
 
 class DistillSection(Section):

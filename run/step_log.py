@@ -4,7 +4,9 @@ lines, and the note of failed episodes."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
+
+from palaestra.progress import Bar, progress_bar
 
 if TYPE_CHECKING:
     from palaestra.rollout.manager import RolloutBatch
@@ -12,15 +14,6 @@ if TYPE_CHECKING:
 
 #: one step's metrics line: numbers, and the phase's name
 Record = dict[str, object]
-
-
-class _Bar(Protocol):
-    """What the step log calls on a progress bar (tqdm's)."""
-
-    def write(self, line: str) -> None: ...
-    def set_postfix(self, **values: str) -> None: ...
-    def update(self, n: int) -> object: ...
-    def close(self) -> None: ...
 
 
 def failure_line(step: int, batch: RolloutBatch, run: RunDir) -> str:
@@ -58,7 +51,7 @@ def step_record(
 class Progress:
     """The progress bar of the RL steps (or a plain line per step without one)."""
 
-    def __init__(self, bar: _Bar | None) -> None:
+    def __init__(self, bar: Bar | None) -> None:
         self.bar = bar
 
     def note(self, line: str) -> None:
@@ -84,13 +77,11 @@ class Progress:
 
 
 def progress(enabled: bool, total: int, start: int) -> Progress:
-    """A bar of ``total`` steps from ``start`` (``logging.progress``), else plain lines."""
+    """A bar of ``total`` steps from ``start`` (``logging.progress``; a line every tenth or
+    30 s when the output is not a terminal), else a plain line per step."""
     if not enabled:
         return Progress(None)
-    from tqdm import tqdm
-
-    return Progress(tqdm(total=total, initial=start, desc="rl", unit="step",
-                          dynamic_ncols=True))
+    return Progress(progress_bar(total, initial=start, desc="rl", unit="step"))
 
 
 __all__ = ["Progress", "Record", "failure_line", "progress", "step_record"]

@@ -188,7 +188,7 @@ async def _train(cfg: TrainConfig, run: RunDir) -> dict[str, float]:
         return {e["stage"]: e["success_rate"] for e in run.read_jsonl("eval.jsonl")}
     finally:
         with phase("curves"):
-            plot_curves(run)
+            plot_curves(run, cfg.env.id)
         run.close()
 
 

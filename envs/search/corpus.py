@@ -71,8 +71,18 @@ def load_corpus(path: str | Path | None = None) -> list[Document]:
     return docs
 
 
-def format_hits(hits: Sequence[Hit]) -> str:
-    """Search-R1's rendering: ``Doc i(Title: <first line>) <rest>`` and a newline, per hit."""
+def format_hits(hits: Sequence[Hit], passage_words: int | None = None) -> str:
+    """Search-R1's rendering: ``Doc i(Title: <first line>) <rest>`` and a newline, per hit;
+    with ``passage_words``, each passage's text is cut to its first that many words (a token
+    budget for small models: the answer of a Wikipedia paragraph is most often near its start)."""
     return "".join(
-        f"Doc {i}(Title: {h.document.title}) {h.document.text}\n" for i, h in enumerate(hits, 1)
+        f"Doc {i}(Title: {h.document.title}) {_first_words(h.document.text, passage_words)}\n"
+        for i, h in enumerate(hits, 1)
     )
+
+
+def _first_words(text: str, words: int | None) -> str:
+    if words is None:
+        return text
+    parts = text.split()
+    return text if len(parts) <= words else " ".join(parts[:words]) + " ..."

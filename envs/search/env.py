@@ -75,8 +75,11 @@ def question_of(task: Mapping[str, Any]) -> str:
 
 
 def qa_metrics(answer: str | None, golds: Sequence[str]) -> dict[str, Any]:
+    """The answer's EM, sub-EM and token F1 against ``golds``, with the answer and the gold
+    answers themselves (an eval record shows what the right answer was)."""
     return {
         "answer": answer,
+        "gold": list(golds),
         "em": exact_match(answer, golds),
         "sub_em": sub_exact_match(answer, golds),
         "f1": f1_score(answer, golds),
@@ -98,9 +101,14 @@ class _SearchTaskMixin:
         corpus: str | Path | None,
         topk: int,
         retriever_timeout_s: float,
+        passage_words: int | None = None,
     ) -> None:
         if topk < 1:
             raise ConfigError(f"topk must be >= 1, got {topk}")
+        if passage_words is not None and passage_words < 1:
+            raise ConfigError(f"passage_words must be >= 1 (or unset: whole passages), got "
+                              f"{passage_words}")
+        self.passage_words = passage_words
         if not isinstance(retriever, Retriever) and retriever != "bm25" and not str(
             retriever
         ).startswith(("http://", "https://")):
@@ -150,7 +158,8 @@ class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
     0. Info carries ``em``, ``sub_em``, ``f1``, ``answer``, ``searches``, ``invalid_actions``.
     Retriever: ``"bm25"`` (a local BM25 index over ``corpus``, default the shipped one, built and
     cached on first search) or the URL of a Search-R1 retrieval server
-    (``palaestra serve-retriever`` or Search-R1's own ``retrieval_server.py``).
+    (``palaestra serve-retriever`` or Search-R1's own ``retrieval_server.py``);
+    ``passage_words`` cuts each returned passage to its first that many words (a token budget).
     Data: ``dataset="multihop"`` (default): 300 HotpotQA (CC BY-SA 4.0) and MuSiQue (CC BY 4.0)
     questions answerable from the shipped corpus of 10,991 Wikipedia paragraphs (CC BY-SA;
     HotpotQA, MuSiQue, 2WikiMultihopQA (Apache-2.0) and a wiki-18 sample); ``dataset="nq_open"``:
@@ -174,12 +183,13 @@ class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
         format_reward: float = 0.0,
         retriever_timeout_s: float = 30.0,
         prompt_template: str = SEARCH_R1_PROMPT,
+        passage_words: int | None = None,
         **kwargs: Any,
     ) -> None:
         source, rows = _split_dataset(dataset)
         super().__init__(max_turns=max_turns, dataset=rows, **kwargs)
         self.dataset_source = source
-        self._init_search(retriever, corpus, topk, retriever_timeout_s)
+        self._init_search(retriever, corpus, topk, retriever_timeout_s, passage_words)
         if "{question}" not in prompt_template:
             raise ConfigError("prompt_template must contain '{question}'")
         self.prompt_template = prompt_template
@@ -232,7 +242,7 @@ class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
             self.searches += 1
             # "tool_calls" as ToolEnv reports it: the rollout metrics count searches per episode
             info = {"search_query": parsed[1] if parsed else "", "searches": self.searches}
-            content = f"<information>{format_hits(hits)}</information>"
+            content = f"<information>{format_hits(hits, self.passage_words)}</information>"
             return StepResult(observation=[Message(role="user", content=content)], info=info,
                               tool_calls=1)
         if last_turn:  # a search (or nothing) on the last turn: out of turns, no answer
@@ -281,12 +291,13 @@ class SearchR1ToolsEnv(_SearchTaskMixin, ToolEnv):
         max_turns: int = 6,
         retriever_timeout_s: float = 30.0,
         system_prompt: str = TOOLS_SYSTEM_PROMPT,
+        passage_words: int | None = None,
         **kwargs: Any,
     ) -> None:
         source, rows = _split_dataset(dataset)
         super().__init__(max_turns=max_turns, dataset=rows, **kwargs)
         self.dataset_source = source
-        self._init_search(retriever, corpus, topk, retriever_timeout_s)
+        self._init_search(retriever, corpus, topk, retriever_timeout_s, passage_words)
         self.system_prompt = system_prompt
 
     def on_reset(self, task: Mapping[str, Any]) -> None:
@@ -309,7 +320,7 @@ class SearchR1ToolsEnv(_SearchTaskMixin, ToolEnv):
         if not query.strip():
             raise ValueError("the query is empty; write what to look for")
         hits = (await self.retriever.asearch([query], self.topk))[0]
-        return format_hits(hits) or "No results."
+        return format_hits(hits, self.passage_words) or "No results."
 
     def _metrics(self, action: Message) -> dict[str, Any]:
         assert self.task is not None

@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from palaestra.errors import ConfigError
+from palaestra.progress import Bar, progress_bar
 from palaestra.run.config import TrainConfig
 from palaestra.run.run_dir import RunDir
 from palaestra.types import Sample
 
 if TYPE_CHECKING:
-    from palaestra.trainers.torch_backend.config import TorchBackendConfig
     from palaestra.agents.spec import AgentSpec
+    from palaestra.trainers.torch_backend.config import TorchBackendConfig
 
 
 def _load_jsonl(path: str) -> list[dict[str, Any]]:
@@ -124,9 +125,9 @@ def sft_steps(
     export_to: Path | None = None,
 ) -> Any:
     """SFT over ``samples`` for ``steps`` steps with checkpoints; resumes a killed phase."""
+    from palaestra.run.builders import backend_config
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
-    from palaestra.run.builders import backend_config
 
     if not samples:
         raise ConfigError("no SFT examples: the demonstrations/dataset are empty")
@@ -173,19 +174,17 @@ def sft_steps(
     return backend
 
 
-def _bar(cfg: TrainConfig, total: int, start: int, phase: str) -> Any:
+def _bar(cfg: TrainConfig, total: int, start: int, phase: str) -> Bar | None:
     if not cfg.logging.progress:
         return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=start, desc=phase, unit="step", dynamic_ncols=True)
+    return progress_bar(total, initial=start, desc=phase, unit="step")
 
 
 def dpo_steps(cfg: TrainConfig, run: RunDir, model_path: Path, spec: AgentSpec) -> Any:
     """DPO on ``{"prompt", "chosen", "rejected"}`` rows; reference = frozen initial policy."""
+    from palaestra.run.builders import backend_config
     from palaestra.trainers.algorithms.config import LossConfig
     from palaestra.trainers.batching import TrainBatch
-    from palaestra.run.builders import backend_config
 
     rows = _load_jsonl(str(cfg.offline.dataset))
     chosen, rejected = [], []

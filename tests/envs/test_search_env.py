@@ -73,6 +73,11 @@ def test_format_hits_is_search_r1s_rendering():
     hits = [Hit(Document("1", '"Paris"\nParis is the capital.'), 3.0), Hit(Document("2", '"X"'), 1.0)]
     assert format_hits(hits) == 'Doc 1(Title: "Paris") Paris is the capital.\nDoc 2(Title: "X") \n'
     assert Document.from_dict({"title": "T", "text": "body"}).contents == '"T"\nbody'
+    assert format_hits(hits, passage_words=2) == (
+        'Doc 1(Title: "Paris") Paris is ...\nDoc 2(Title: "X") \n')
+    assert format_hits(hits, passage_words=4) == format_hits(hits)  # short passages stay whole
+    with pytest.raises(ConfigError, match="passage_words"):
+        SearchR1Env(passage_words=0)
     with pytest.raises(ConfigError, match="contents"):
         Document.from_dict({"id": "1"})
 
@@ -110,6 +115,7 @@ def test_search_then_answer_gets_reward_one(bm25, multihop):
     )
     assert obs == () and reward == 1.0 and terminated and not truncated
     assert info["em"] == 1.0 and info["f1"] == 1.0 and info["searches"] == 1
+    assert info["gold"] == task["golden_answers"]  # an eval record shows the right answer
 
 
 def test_the_first_action_tag_decides_and_the_last_answer_is_scored(bm25, multihop):
@@ -215,6 +221,7 @@ def test_tool_variant_searches_with_a_function_tool(bm25, multihop):
     assert obs[0].content.startswith("Error: invalid arguments")
     _, reward, terminated, _, info = env.step(f"<answer>{task['golden_answers'][0]}</answer>")
     assert reward == 1.0 and terminated and info["f1"] == 1.0
+    assert info["gold"] == task["golden_answers"]
     env.reset(options={"task": task})
     _, reward, *_ = env.step(task["golden_answers"][0])  # a bare answer, without tags, also counts
     assert reward == 1.0
