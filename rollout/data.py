@@ -42,13 +42,14 @@ class TaskItem:
 
 
 def load_rows(path: str | Path, *, split: str = "train") -> list[dict[str, Any]]:
-    """Rows of a ``.jsonl``/``.json``/``.parquet`` file or a ``datasets.save_to_disk`` folder."""
+    """Rows of a ``.jsonl`` (or gzipped ``.jsonl.gz``), ``.json`` or ``.parquet`` file, or of a
+    ``datasets.save_to_disk`` folder."""
     p = Path(path)
     if not p.exists():
         raise ConfigError(f"data file {str(p)!r} does not exist; check the path in your config")
     if p.is_dir():
         return _load_hf_folder(p, split)
-    suffix = p.suffix.lower()
+    suffix = ".jsonl" if p.name.lower().endswith(".jsonl.gz") else p.suffix.lower()
     if suffix == ".jsonl":
         rows, bad = [], []
         for n, row, error in jsonl_lines(p):
@@ -74,8 +75,8 @@ def load_rows(path: str | Path, *, split: str = "train") -> list[dict[str, Any]]
             raise ConfigError(f"reading {p.name} needs pyarrow: pip install pyarrow") from exc
         return pq.read_table(p).to_pylist()
     raise ConfigError(
-        f"unsupported data file {p.name!r}; use .jsonl, .json, .parquet or a folder saved with "
-        "datasets' save_to_disk"
+        f"unsupported data file {p.name!r}; use .jsonl, .jsonl.gz, .json, .parquet or a folder "
+        "saved with datasets' save_to_disk"
     )
 
 

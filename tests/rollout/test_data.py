@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -16,7 +17,9 @@ ROWS = [{"env_id": "palaestra/Calculator-v0", "id": f"r{i}", "question": f"q{i}"
 def test_json_formats_give_the_same_rows(tmp_path):
     (tmp_path / "d.jsonl").write_text("\n".join(json.dumps(r) for r in ROWS) + "\n\n")
     (tmp_path / "d.json").write_text(json.dumps(ROWS))
-    for path in ("d.jsonl", "d.json"):
+    with gzip.open(tmp_path / "d.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    for path in ("d.jsonl", "d.json", "d.jsonl.gz"):
         assert load_rows(tmp_path / path) == ROWS, path
 
 
