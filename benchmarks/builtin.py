@@ -37,9 +37,28 @@ SEARCH_QUICKSTART_ENV_KWARGS = {
                        "Question: {question}\n",
 }
 
+#: env kwargs of the SmolLM2 Search-R1 recipe (configs/search_r1_smollm2.toml trains with the
+#: same): a compact prompt, 3 passages of at most 40 words, 2 searches then an answer
+SEARCH_R1_SMOLLM2_ENV_KWARGS = {
+    "retriever": "bm25",
+    "topk": 3,
+    "passage_words": 40,
+    "max_turns": 3,
+    "prompt_template": "Answer the question. To look something up in Wikipedia, write <search> "
+                       "query </search>; the results come back in <information>. Give the final "
+                       "answer as <answer> short answer </answer>.\nQuestion: {question}\n",
+}
+#: the same questions closed-book: no search described, one turn (a search is never run)
+CLOSED_BOOK_ENV_KWARGS = {
+    "retriever": "bm25",
+    "max_turns": 1,
+    "prompt_template": "Answer the question. Give the final answer as <answer> short answer "
+                       "</answer>.\nQuestion: {question}\n",
+}
+
 
 def _held_out(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The search quickstart's held-out questions (the file's last rows, never trained on)."""
+    """A split file's held-out questions (``split == "heldout"``: never trained on)."""
     return [r for r in rows if r.get("split") == "heldout"]
 
 
@@ -48,7 +67,8 @@ def _search_r1(name: str, dataset: str, description: str, **extra: Any) -> Bench
     return Benchmark(
         name=name, env_id="palaestra/SearchR1-v0", dataset=dataset, agent=_SEARCH_R1_AGENT,
         chat_stop=("</search>",),  # an API model must not invent the search results
-        answer="info", normalize="text", max_new_tokens=512, description=description, **extra,
+        answer="info", normalize="text", description=description,
+        **{"max_new_tokens": 512, **extra},
     )
 
 
@@ -123,6 +143,19 @@ BUILTIN_BENCHMARKS: tuple[Benchmark, ...] = (
         "search quickstart: 100 held-out questions about made-up people, answers only in "
         "data/search_quickstart/corpus.jsonl (BM25), exact match",
         rows=_held_out, env_kwargs=SEARCH_QUICKSTART_ENV_KWARGS,
+    ),
+    _search_r1(
+        "multihop_heldout", "search/multihop_split.jsonl.gz",
+        "the 100 held-out HotpotQA/MuSiQue questions of data/search/multihop_split.jsonl.gz "
+        "(never trained on by configs/search_r1_smollm2.toml), searching the shipped corpus "
+        "(BM25) with that recipe's prompt and budgets, exact match",
+        rows=_held_out, env_kwargs=SEARCH_R1_SMOLLM2_ENV_KWARGS, num_tasks=100,
+        max_new_tokens=40,
+    ),
+    _search_r1(
+        "multihop_closed_book", "search/multihop_split.jsonl.gz",
+        "the same 100 held-out questions closed-book: no search, one answer, exact match",
+        rows=_held_out, env_kwargs=CLOSED_BOOK_ENV_KWARGS, num_tasks=100, max_new_tokens=64,
     ),
     Benchmark(
         name="calculator",

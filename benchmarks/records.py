@@ -55,6 +55,9 @@ def make_record(
         "answer": None if answer is None else str(answer),
         "raw_answer": None if raw is None else str(raw),
         "gold": info.get("gold"),
+        # the env's own numbers of the episode (Search-R1: em, f1, searches, answer_in_retrieved)
+        "env_metrics": {k: v for k, v in info.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)},
         "stop_reason": traj.stop_reason.value,
         "error": traj.error,
         "turns": len(traj.turns),

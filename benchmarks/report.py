@@ -151,9 +151,11 @@ def write_report(
             lines += [descriptions[name], ""]
         lines += ["| metric | value |", "|---|---:|"]
         for key, value in s.items():
-            if key in ("stop_reasons", "model"):
+            if key in ("stop_reasons", "model", "env_metrics"):
                 continue
             lines.append(f"| {key} | {_fmt(value)} |")
+        for key, value in (s.get("env_metrics") or {}).items():  # the env's own, e.g. f1
+            lines.append(f"| env: {key} | {_fmt(value)} |")
         lines += ["", "| stop reason | samples |", "|---|---:|"]
         for reason, count in sorted((s.get("stop_reasons") or {}).items(), key=lambda kv: -kv[1]):
             lines.append(f"| {reason} | {count} |")

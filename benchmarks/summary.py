@@ -77,9 +77,22 @@ def summarize(records: Sequence[Mapping[str, Any]], *, with_maj: bool) -> dict[s
     ordered["mean_completion_tokens"] = _mean([float(r.get("completion_tokens", 0)) for r in records])
     ordered["mean_turns"] = _mean([float(r.get("turns", 0)) for r in records])
     ordered["mean_time_s"] = _mean([float(r.get("time_s", 0.0)) for r in records])
+    calls = [int(r.get("tool_calls", 0)) for r in records]
+    ordered["mean_tool_calls"] = _mean([float(c) for c in calls])
+    ordered["tool_call_rate"] = _mean([float(c > 0) for c in calls])  # >= 1 call (a search)
+    ordered["env_metrics"] = _env_metric_means(records)
     models = sorted({str(r["model"]) for r in records})
     ordered["model"] = models[0] if len(models) == 1 else models
     return ordered
+
+
+def _env_metric_means(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Mean of each number the env reported (``env_metrics``), over the records that have it."""
+    values: dict[str, list[float]] = {}
+    for record in records:
+        for key, value in (record.get("env_metrics") or {}).items():
+            values.setdefault(str(key), []).append(float(value))
+    return {key: _mean(vs) for key, vs in sorted(values.items())}
 
 
 def write_summary(out_dir: str | Path, summary: Mapping[str, Any]) -> Path:

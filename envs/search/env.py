@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from palaestra.envs.base import MultiTurnEnv, StepResult
-from palaestra.envs.rewards import exact_match, extract_tag, f1_score, sub_exact_match
+from palaestra.envs.rewards import (
+    exact_match,
+    extract_tag,
+    f1_score,
+    normalize_answer,
+    sub_exact_match,
+)
 from palaestra.envs.search.corpus import Hit, format_hits
 from palaestra.envs.search.retriever import Retriever
 from palaestra.envs.search.retrievers import make_retriever
@@ -74,16 +80,28 @@ def question_of(task: Mapping[str, Any]) -> str:
     return question if question.endswith("?") else question + "?"
 
 
-def qa_metrics(answer: str | None, golds: Sequence[str]) -> dict[str, Any]:
+def qa_metrics(answer: str | None, golds: Sequence[str], retrieved: Sequence[str] | None = None
+               ) -> dict[str, Any]:
     """The answer's EM, sub-EM and token F1 against ``golds``, with the answer and the gold
-    answers themselves (an eval record shows what the right answer was)."""
-    return {
+    answers themselves (an eval record shows what the right answer was); given the texts the
+    searches returned, also ``answer_in_retrieved``: 1.0 when the answer appears in them."""
+    metrics = {
         "answer": answer,
         "gold": list(golds),
         "em": exact_match(answer, golds),
         "sub_em": sub_exact_match(answer, golds),
         "f1": f1_score(answer, golds),
     }
+    if retrieved is not None:
+        metrics["answer_in_retrieved"] = float(answer_in_texts(answer, retrieved))
+    return metrics
+
+
+def answer_in_texts(answer: str | None, texts: Sequence[str]) -> bool:
+    """Whether ``answer`` (SQuAD-normalised, as whole words) appears in one of ``texts``: the
+    answer came from a retrieved passage, not from the model's memory."""
+    needle = normalize_answer(answer or "")
+    return bool(needle) and any(f" {needle} " in f" {normalize_answer(t)} " for t in texts)
 
 
 class _SearchTaskMixin:
@@ -155,7 +173,8 @@ class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
     Reward: 1.0 when the last ``<answer>`` of the answering turn matches any gold answer exactly
     after SQuAD normalisation (lower-case, no punctuation or articles, collapsed whitespace), else
     ``format_reward`` (default 0.0, Search-R1's ``format_score``) when an answer was given, else
-    0. Info carries ``em``, ``sub_em``, ``f1``, ``answer``, ``searches``, ``invalid_actions``.
+    0. Info carries ``em``, ``sub_em``, ``f1``, ``answer``, ``gold``, ``answer_in_retrieved``,
+    ``searches``, ``invalid_actions``.
     Retriever: ``"bm25"`` (a local BM25 index over ``corpus``, default the shipped one, built and
     cached on first search) or the URL of a Search-R1 retrieval server
     (``palaestra serve-retriever`` or Search-R1's own ``retrieval_server.py``);
@@ -201,6 +220,7 @@ class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
         golden_answers(task)  # validate the row now, not at the end of the episode
         self.searches = 0
         self.invalid_actions = 0
+        self.retrieved: list[str] = []  # what the searches returned, for answer_in_retrieved
 
     def initial_messages(self, task: Mapping[str, Any]) -> list[Message]:
         return [Message(role="user", content=self.prompt_template.format(question=question_of(task)))]
@@ -243,6 +263,7 @@ class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
             # "tool_calls" as ToolEnv reports it: the rollout metrics count searches per episode
             info = {"search_query": parsed[1] if parsed else "", "searches": self.searches}
             content = f"<information>{format_hits(hits, self.passage_words)}</information>"
+            self.retrieved.append(content)
             return StepResult(observation=[Message(role="user", content=content)], info=info,
                               tool_calls=1)
         if last_turn:  # a search (or nothing) on the last turn: out of turns, no answer
@@ -255,7 +276,7 @@ class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
 
     def _finish(self, answer: str | None, *, terminated: bool) -> StepResult:
         assert self.task is not None
-        metrics = qa_metrics(answer, golden_answers(self.task))
+        metrics = qa_metrics(answer, golden_answers(self.task), self.retrieved)
         if metrics["em"] == 1.0:
             reward = 1.0
         elif answer is not None:
@@ -276,7 +297,7 @@ class SearchR1ToolsEnv(_SearchTaskMixin, ToolEnv):
     Reward: the final assistant message (one without tool calls) is the answer: the content of
     its last ``<answer>...</answer>`` (the whole message when it has no tags); 1.0 on an exact
     match with any gold answer after SQuAD normalisation, else 0. Info: ``em``, ``sub_em``,
-    ``f1``, ``answer``. Licences: see ``palaestra/SearchR1-v0``.
+    ``f1``, ``answer``, ``gold``, ``answer_in_retrieved``. Licences: see ``palaestra/SearchR1-v0``.
     """
 
     snapshot_exclude: ClassVar[tuple[str, ...]] = ("_tools", "_retriever", "_dataset")
@@ -303,6 +324,7 @@ class SearchR1ToolsEnv(_SearchTaskMixin, ToolEnv):
     def on_reset(self, task: Mapping[str, Any]) -> None:
         super().on_reset(task)
         golden_answers(task)
+        self.retrieved: list[str] = []  # what the searches returned, for answer_in_retrieved
 
     def initial_messages(self, task: Mapping[str, Any]) -> list[Message]:
         return [
@@ -320,14 +342,16 @@ class SearchR1ToolsEnv(_SearchTaskMixin, ToolEnv):
         if not query.strip():
             raise ValueError("the query is empty; write what to look for")
         hits = (await self.retriever.asearch([query], self.topk))[0]
-        return format_hits(hits, self.passage_words) or "No results."
+        text = format_hits(hits, self.passage_words)
+        self.retrieved.append(text)
+        return text or "No results."
 
     def _metrics(self, action: Message) -> dict[str, Any]:
         assert self.task is not None
         answer = extract_tag(action.content, "answer")
         if answer is None:
             answer = action.content.strip()
-        return qa_metrics(answer, golden_answers(self.task))
+        return qa_metrics(answer, golden_answers(self.task), self.retrieved)
 
     def score(self, action: Message) -> float:
         return self._metrics(action)["em"]

@@ -20,7 +20,8 @@ from palaestra.benchmarks.registry import check_requirements, env_available
 from palaestra.errors import ConfigError
 
 BUILTIN = {
-    "gsm8k", "math500", "humaneval", "mbpp", "nq_open", "hotpotqa", "musique",
+    "gsm8k", "math500", "humaneval", "mbpp", "nq_open", "hotpotqa", "musique", "multihop_heldout",
+    "multihop_closed_book",
     "calculator", "frozenlake", "taxi", "blackjack", "cliffwalking",
 }
 
