@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Mapping
 from typing import Any
 
 from palaestra.benchmarks.answers import comparable_answer, final_info, is_correct, raw_answer
@@ -33,8 +34,12 @@ def make_record(
     seed: int,
     traj: Trajectory,
     elapsed: float,
+    *,
+    row: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``samples.jsonl`` line of one finished sample."""
+    """The ``samples.jsonl`` line of one finished sample. ``gold`` is the env's (its last
+    ``info["gold"]``), else the task row's own answer field: an episode cut off before the env
+    scored it still shows what the right answer was."""
     answer = comparable_answer(traj, benchmark.answer, benchmark.normalize)
     raw = None if traj.failed else raw_answer(traj, benchmark.answer)
     info = final_info(traj)
@@ -54,7 +59,7 @@ def make_record(
         "reward": traj.reward,
         "answer": None if answer is None else str(answer),
         "raw_answer": None if raw is None else str(raw),
-        "gold": info.get("gold"),
+        "gold": info.get("gold", row_gold(row)),
         # the env's own numbers of the episode (Search-R1: em, f1, searches, answer_in_retrieved)
         "env_metrics": {k: v for k, v in info.items()
                         if isinstance(v, (int, float)) and not isinstance(v, bool)},
@@ -73,9 +78,21 @@ def make_record(
     }
 
 
+#: the answer fields of task rows, in the order they are tried (Search-R1, NQ, GSM8K-style, ...)
+GOLD_FIELDS = ("golden_answers", "answer", "answers", "target", "solution")
+
+
+def row_gold(row: Mapping[str, Any] | None) -> Any:
+    """The gold answer a task row carries (None for generated tasks or rows without one)."""
+    for key in GOLD_FIELDS:
+        if row is not None and row.get(key) is not None:
+            return row[key]
+    return None
+
+
 def engine_failure(traj: Trajectory) -> bool:
     """True when the episode failed because of the engine (retry later), not the model."""
     return traj.error is not None and traj.error.startswith(ENGINE_STAGES)
 
 
-__all__ = ["ENGINE_STAGES", "engine_failure", "make_record", "sample_seed"]
+__all__ = ["ENGINE_STAGES", "GOLD_FIELDS", "engine_failure", "make_record", "row_gold", "sample_seed"]

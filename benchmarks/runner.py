@@ -175,7 +175,7 @@ async def _run_benchmark(
                     fatal.append(traj.error or "engine failure")
                 return
             counts["fails"] = 0
-            record = make_record(benchmark, task_id, i, model, seed, traj, elapsed)
+            record = make_record(benchmark, task_id, i, model, seed, traj, elapsed, row=row)
             store.append(record)
             counts["done"] += 1
             counts["correct"] += bool(record["correct"])
