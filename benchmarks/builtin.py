@@ -150,7 +150,7 @@ BUILTIN_BENCHMARKS: tuple[Benchmark, ...] = (
         "(never trained on by configs/search_r1_smollm2.toml), searching the shipped corpus "
         "(BM25) with that recipe's prompt and budgets, exact match",
         rows=_held_out, env_kwargs=SEARCH_R1_SMOLLM2_ENV_KWARGS, num_tasks=100,
-        max_new_tokens=40,
+        max_new_tokens=64,
     ),
     _search_r1(
         "multihop_closed_book", "search/multihop_split.jsonl.gz",
