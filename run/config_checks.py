@@ -187,6 +187,8 @@ def _env_and_data_problems(cfg: RunSettings) -> list[Problem]:
     if cfg.algorithm != "rl":
         return out
     d = cfg.data
+    if d.train_filter is not None:
+        out += _entry_point_problems("data.train_filter", d.train_filter)
     if d.path is None:
         return out + _epoch_problems(cfg, d.num_tasks, "data.num_tasks")
     if not d.path.strip():
@@ -310,6 +312,20 @@ def _reward_problems(cfg: RunSettings) -> list[Problem]:
     return out
 
 
+def _entry_point_problems(key: str, source: str) -> list[Problem]:
+    """A ``module:function`` setting that does not name an importable function."""
+    module_name, _, attr = source.partition(":")
+    if not module_name or not attr:
+        return [Problem((key,), f"{key} = {source!r}: write it as module:function")]
+    try:
+        fn = getattr(importlib.import_module(module_name), attr, None)
+    except ImportError as exc:
+        return [Problem((key,), f"{key} = {source!r}: cannot import it ({exc})")]
+    if not callable(fn):
+        return [Problem((key,), f"{key} = {source!r}: {module_name} has no function {attr!r}")]
+    return []
+
+
 def _demonstration_problems(cfg: RunSettings) -> list[Problem]:
     from palaestra.rollout.task_checks import field_check
 
@@ -319,16 +335,7 @@ def _demonstration_problems(cfg: RunSettings) -> list[Problem]:
             "warmup.steps > 0 needs warmup.demonstrations (a JSONL of transcripts, or "
             "module:function), or set warmup.steps = 0"))]
     if ":" in source and not Path(source).exists():  # module:function, as offline.py reads it
-        module_name, _, attr = source.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr, None)
-        except ImportError as exc:
-            return [Problem(("warmup.demonstrations",),
-                            f"warmup.demonstrations = {source!r}: cannot import it ({exc})")]
-        if not callable(fn):
-            return [Problem(("warmup.demonstrations",), (
-                f"warmup.demonstrations = {source!r}: {module_name} has no function {attr!r}"))]
-        return []
+        return _entry_point_problems("warmup.demonstrations", source)
     scan = _scan(source, field_check("messages"), "warmup.demonstrations")
     if isinstance(scan, Problem):
         return [scan]

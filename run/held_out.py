@@ -2,7 +2,8 @@
 ``step-N``, ``rl``; logged to ``eval.jsonl``) and the training rows, which never include one.
 
 The held-out tasks are the last ``eval.num_tasks`` rows of ``data.path``, or the env's draws
-from ``eval.seed``; training draws from ``data.seed`` less those equal to a held-out draw.
+from ``eval.seed``; training draws from ``data.seed`` less those equal to a held-out draw. A
+``data.train_filter`` then picks among the training rows.
 """
 
 from __future__ import annotations
@@ -78,10 +79,34 @@ def train_rows(cfg: TrainConfig) -> list[dict[str, object]]:
         rows = tasks_from_env(
             cfg.env.id, cfg.data.num_tasks, seed=cfg.data.seed, env_kwargs=cfg.env.kwargs
         )
-        return without_tasks(rows, tasks_from_env(
-            cfg.env.id, cfg.eval.num_tasks, seed=cfg.eval.seed, env_kwargs=cfg.env.kwargs))
+        return filtered_rows(cfg, without_tasks(rows, tasks_from_env(
+            cfg.env.id, cfg.eval.num_tasks, seed=cfg.eval.seed, env_kwargs=cfg.env.kwargs)))
     rows = load_rows(str(cfg.data.path))
-    return split_held_out(rows, cfg.eval.num_tasks)[0]  # the held-out tail is never trained on
+    train = split_held_out(rows, cfg.eval.num_tasks)[0]  # the held-out tail is never trained on
+    return filtered_rows(cfg, train)
 
 
-__all__ = ["eval_rows_from_file", "evaluate_stage", "train_rows"]
+def filtered_rows(cfg: TrainConfig, rows: list[dict[str, object]]) -> list[dict[str, object]]:
+    """``rows`` through ``data.train_filter`` (unchanged without one). The filter sees only
+    training rows, so it can never bring a held-out one back."""
+    import importlib
+
+    from palaestra.errors import ConfigError
+
+    target = cfg.data.train_filter
+    if not target:
+        return rows
+    module_name, _, attr = target.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"data.train_filter = {target!r}: cannot load it ({exc})") from None
+    kept = list(fn(list(rows), env_kwargs=dict(cfg.env.kwargs)))
+    if not kept:
+        raise ConfigError(f"data.train_filter = {target!r} kept none of the {len(rows)} training "
+                          "rows: check the filter and env.kwargs, or unset data.train_filter")
+    print(f"[data] {target} keeps {len(kept)} of {len(rows)} training rows", flush=True)
+    return kept
+
+
+__all__ = ["eval_rows_from_file", "evaluate_stage", "filtered_rows", "train_rows"]

@@ -70,6 +70,10 @@ class DataSection(Section):
     """Shuffle the rows every epoch."""
     epochs: int | None = Field(None, ge=1)
     """Passes over the data (None: endless, the run stops after ``trainer.steps``)."""
+    train_filter: str | None = None
+    """``module:function`` choosing the rows RL trains on, a curriculum or a filter: called as
+    ``function(rows, env_kwargs=...)`` with the training rows (the held-out ones already left
+    out) and ``env.kwargs``; returns the rows to keep, in order. None: every training row."""
 
 
 class AgentSection(Section):

@@ -4,7 +4,10 @@
 term or DPO whose reference the batch lacks; a KL in the reward is computed before the
 advantages, by the learner). `loss_micro_batches` checks the batch against the objective and
 cuts it into token-balanced micro-batches carrying the per-token fields the loss reads, the
-per-sequence aggregation weights under `LOSS_WEIGHTS` among them.
+per-sequence aggregation weights under `LOSS_WEIGHTS` among them. With
+``skip_zero_advantage`` it leaves out the sequences without a learning signal
+(`sequences_with_signal`); the weights still come from the whole batch, so the gradient is the
+same.
 """
 
 from __future__ import annotations
@@ -34,6 +37,24 @@ def runs_ref_forward(batch: TrainBatch, loss_cfg: LossConfig, *, critic: bool,
     return (not critic and has_reference and loss_cfg.needs_ref_logprobs
             and batch.ref_logprobs is None
             and (loss_cfg.objective == "dpo" or loss_cfg.kl_mode == "loss"))
+
+
+def sequences_with_signal(batch: TrainBatch, subset: Sequence[int] | None = None
+                          ) -> list[int] | None:
+    """The sequences of ``subset`` (default: all of ``batch``) with a non-zero advantage on a
+    loss token, the ones a policy-gradient step learns from (``skip_zero_advantage``).
+
+    When none has one, ``subset`` unchanged: the step then runs as without skipping (an
+    optimizer step on zero gradients still moves AdamW's weights, so an empty step would not be
+    the same update)."""
+    if batch.advantages is None:
+        return None if subset is None else list(subset)
+    chosen = range(batch.num_sequences) if subset is None else subset
+    keep = [i for i in chosen
+            if bool(((batch.advantages[i] != 0) & (batch.loss_mask[i] > 0)).any())]
+    if not keep:
+        return None if subset is None else list(subset)
+    return keep
 
 
 def loss_micro_batches(batch: TrainBatch, loss_cfg: LossConfig, *, critic: bool,
@@ -67,6 +88,8 @@ def loss_micro_batches(batch: TrainBatch, loss_cfg: LossConfig, *, critic: bool,
             fields[name] = value
     if not (loss_cfg.tis_cap is not None or loss_cfg.objective == "rl"):
         fields.pop("rollout_logprobs", None)  # only the RL loss and TIS read them
+    if loss_cfg.skip_zero_advantage and not critic:
+        subset = sequences_with_signal(batch, subset)
     with span("trainer_data"):
         return make_micro_batches(
             batch, max_tokens, pack=pack, fields=fields,
@@ -74,4 +97,4 @@ def loss_micro_batches(batch: TrainBatch, loss_cfg: LossConfig, *, critic: bool,
             subset=subset)
 
 
-__all__ = ["LOSS_WEIGHTS", "loss_micro_batches", "runs_ref_forward"]
+__all__ = ["LOSS_WEIGHTS", "loss_micro_batches", "runs_ref_forward", "sequences_with_signal"]

@@ -103,6 +103,7 @@ class PolicyUpdate:
     def update(self, samples: Sequence[Sample], step: int) -> UpdateResult:
         from palaestra.trainers.algorithms.estimators import compute_advantages
         from palaestra.trainers.algorithms.mismatch import step_metrics, without_raw
+        from palaestra.trainers.algorithms.objective import as_batch_means
         from palaestra.trainers.ppo.step import update_skipped, with_reward_kl_logprobs
 
         batch = compute_advantages(
@@ -114,7 +115,8 @@ class PolicyUpdate:
         first: dict[str, float] = {}
         skipped: list[str] = []
         for update in range(self.updates_per_batch):
-            metrics = dict(self.policy.train_step(batch, self.loss))
+            metrics = as_batch_means(dict(self.policy.train_step(batch, self.loss)), batch,
+                                     self.loss)
             if update == 0:  # the weights that sampled the batch: the logprob mismatch of
                 # the first update's forward (all its micro-batches run before the step)
                 first = step_metrics(metrics)

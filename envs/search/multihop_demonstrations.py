@@ -13,7 +13,8 @@ retriever produce:
 
 Only questions whose answer shows in the retrieved text are demonstrated, so the warm start
 teaches searching and copying an answer out of ``<information>``, never answering from nothing.
-Held-out rows, and everything only they point to, are never read.
+Held-out rows, and everything only they point to, are never read. `answerable` keeps the
+training rows that such searches answer (the recipe's ``data.train_filter``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,28 @@ def _play(env: SearchR1Env, row: Mapping[str, Any], by_id: Mapping[str, Document
     return None
 
 
+def _played(rows: list[dict[str, Any]], corpus: str | None,
+            env_kwargs: Mapping[str, Any] | None) -> list[tuple[int, list[dict[str, Any]]]]:
+    """(index, transcript) of every row of ``rows`` whose answer the searches find."""
+    kwargs = dict(env_kwargs or {})
+    by_id = {d.id: d for d in load_corpus(corpus if corpus is not None else kwargs.get("corpus"))}
+    env = SearchR1Env(**kwargs)
+    try:
+        plays = ((i, _play(env, row, by_id)) for i, row in enumerate(rows))
+        return [(i, t) for i, t in plays if t is not None]
+    finally:
+        env.close()
+
+
+def answerable(rows: list[dict[str, Any]], *, env_kwargs: Mapping[str, Any] | None = None,
+               corpus: str | None = None) -> list[dict[str, Any]]:
+    """The rows whose gold answer the demonstrated searches find (the question, then the title
+    of the gold paragraph): ``data.train_filter`` of the SmolLM2 Search-R1 recipe, which trains
+    RL on the questions where a search can lead to the answer. Reads only ``rows`` (training
+    rows) and the corpus."""
+    return [rows[i] for i, _ in _played(rows, corpus, env_kwargs)]
+
+
 def demonstrations(
     n: int,
     *,
@@ -87,14 +110,7 @@ def demonstrations(
 ) -> list[list[dict[str, Any]]]:
     """``n`` chat transcripts (OpenAI message dicts), cycling over the training questions whose
     answer the searches find, in a seeded order."""
-    rows = training_rows(questions)
-    kwargs = dict(env_kwargs or {})
-    by_id = {d.id: d for d in load_corpus(corpus if corpus is not None else kwargs.get("corpus"))}
-    env = SearchR1Env(**kwargs)
-    try:
-        played = [t for t in (_play(env, row, by_id) for row in rows) if t is not None]
-    finally:
-        env.close()
+    played = [t for _, t in _played(training_rows(questions), corpus, env_kwargs)]
     if not played:
         raise ConfigError(f"no training question of {questions} has its answer in what the "
                           "searches return; check env.kwargs (corpus, topk, passage_words)")
@@ -102,4 +118,4 @@ def demonstrations(
     return [played[int(order[i % len(played)])] for i in range(n)]
 
 
-__all__ = ["SPLIT_QUESTIONS", "demonstrations"]
+__all__ = ["SPLIT_QUESTIONS", "answerable", "demonstrations"]

@@ -13,8 +13,8 @@ from palaestra.benchmarks.envpool import load_tasks
 from palaestra.benchmarks.registry import get_benchmark
 from palaestra.envs.rewards import normalize_answer
 from palaestra.envs.search import SearchR1Env, shared_bm25
-from palaestra.envs.search.env import answer_in_texts, qa_metrics
-from palaestra.envs.search.multihop_demonstrations import demonstrations
+from palaestra.envs.search.env import answer_in_texts, qa_metrics, question_of
+from palaestra.envs.search.multihop_demonstrations import answerable, demonstrations
 from palaestra.envs.shipped import iter_jsonl, load_rows
 from palaestra.rollout.data import load_rows as load_data_rows
 from palaestra.rollout.data import split_held_out
@@ -96,3 +96,19 @@ def test_a_closed_book_episode_never_searches(bm25) -> None:
     env.reset(options={"task": {"question": "Who wrote Hamlet?", "golden_answers": ["Shakespeare"]}})
     _, reward, terminated, truncated, info = env.step("<search> Hamlet </search>")
     assert reward == 0.0 and info["searches"] == 0 and (terminated or truncated)
+
+
+def test_rl_trains_on_the_training_questions_a_search_answers(bm25) -> None:
+    recipe = tomllib.loads(RECIPE.read_text())
+    assert recipe["data"]["train_filter"] == (
+        "palaestra.envs.search.multihop_demonstrations:answerable")
+    train, held_out = split_held_out(load_data_rows(SPLIT), 100)
+    env_kwargs = {**SEARCH_R1_SMOLLM2_ENV_KWARGS, "retriever": bm25}
+    kept = answerable(train, env_kwargs=env_kwargs)
+    assert 100 < len(kept) < len(train)
+    assert not {r["id"] for r in kept} & {r["id"] for r in held_out}
+    assert [r["id"] for r in kept] == [r["id"] for r in train if r in kept]  # in order
+    # every kept question has demonstrations, and each demonstration's question is kept
+    questions = {question_of(r).strip() for r in kept}
+    for messages in demonstrations(32, seed=1, questions=str(SPLIT), env_kwargs=env_kwargs):
+        assert messages[0]["content"].rsplit("Question: ", 1)[1].strip() in questions

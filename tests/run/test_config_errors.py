@@ -347,3 +347,33 @@ def test_help_config_and_dry_run_import_nothing_heavy(tmp_path):
             "print(sorted(m for m in ('torch', 'ray', 'transformers', 'sglang') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def keep_even_answers(rows, *, env_kwargs):
+    """A ``data.train_filter`` for the test below."""
+    assert isinstance(env_kwargs, dict)
+    return [r for r in rows if int(r["answer"]) % 2 == 0]
+
+
+def keep_nothing(rows, *, env_kwargs):
+    return []
+
+
+def test_a_train_filter_is_checked_and_sees_only_training_rows(tmp_path):
+    from palaestra.run.held_out import train_rows
+
+    text = _refused(tmp_path, "--data.train_filter", "palaestra.envs.calculator:nope")
+    assert "data.train_filter = 'palaestra.envs.calculator:nope'" in text
+    assert "has no function 'nope'" in text
+    assert "write it as module:function" in _refused(tmp_path, "--data.train_filter", "nocolon")
+    rows = [{"question": f"q{i}", "answer": str(i)} for i in range(12)]
+    data = _rows(tmp_path / "rows.jsonl", rows)
+    cfg = load_config(TrainConfig, QUICKSTART, [
+        "--data.path", str(data), "--eval.num_tasks", "5",
+        "--data.train_filter", f"{__name__}:keep_even_answers"])
+    assert train_rows(cfg) == [rows[i] for i in (0, 2, 4, 6)]  # rows 7-11 are held out
+    cfg = load_config(TrainConfig, QUICKSTART, [
+        "--data.path", str(data), "--eval.num_tasks", "5",
+        "--data.train_filter", f"{__name__}:keep_nothing"])
+    with pytest.raises(ConfigError, match="kept none of the 7 training rows"):
+        train_rows(cfg)

@@ -130,6 +130,15 @@ class LossConfig(BaseModel):
     value_clip: float | None = Field(0.2, gt=0.0)
     """Clip range of the critic's value update (PPO's clipped value loss); None disables it."""
 
+    skip_zero_advantage: bool = False
+    """Leave the sequences whose every advantage is 0 out of the train step's forward and
+    backward. They add nothing to the gradient of an "rl" objective without a KL loss term or an
+    entropy bonus, so the update is the same for fewer tokens: with a sparse reward most GRPO
+    groups score alike and their advantages are 0. The aggregation weights still come from the
+    whole batch; the per-token statistics (``actor/entropy``, ``actor/clip_frac``, the logprob
+    mismatch) are then over the sequences that trained, and ``actor/trained_weight`` is their
+    share of the batch's loss weight."""
+
     dpo_beta: float = Field(0.1, gt=0.0)
     """DPO temperature beta."""
 
@@ -151,7 +160,21 @@ class LossConfig(BaseModel):
         if self.policy_loss == "gspo" and self.dual_clip_c is not None:
             raise ValueError("dual_clip_c bounds PPO's token loss and GSPO's sequence loss ignores "
                              "it: unset dual_clip_c or use policy_loss = 'ppo'")
+        if self.skip_zero_advantage and not self.zero_advantage_adds_nothing:
+            raise ValueError(
+                "skip_zero_advantage leaves out sequences whose advantages are all 0, which is "
+                "exact only when they add nothing to the gradient: use objective = 'rl' with "
+                "entropy_coef = 0 and no KL loss term (kl_coef = 0 or kl_mode = 'reward'), or "
+                "set skip_zero_advantage = false")
         return self
+
+    @property
+    def zero_advantage_adds_nothing(self) -> bool:
+        """True when a token whose advantage is 0 has no gradient: the clipped policy loss
+        (PPO or GSPO, with or without TIS) is ``A`` times a ratio, and no term (a KL in the
+        loss, an entropy bonus) reaches it."""
+        return (self.objective == "rl" and self.entropy_coef == 0.0
+                and not (self.kl_coef > 0.0 and self.kl_mode == "loss"))
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> LossConfig:

@@ -101,8 +101,36 @@ def rl_loss(
         # k3 of the trainer's vs the engine's logprobs: how off-policy the rollout really is
         metrics["actor/rollout_kl"] = _wsum(weights, kl_estimate(logp.detach(), rollout_logp, "k3"))
         metrics.update(logprob_diff_stats(logp.detach(), rollout_logp, loss_mask))
+    if cfg.skip_zero_advantage:  # the trained share of the loss weight (`as_batch_means`)
+        metrics[TRAINED_WEIGHT] = _wsum(weights, torch.ones_like(weights))
     metrics["loss"] = loss.detach()
     return loss, metrics
+
+
+#: with ``skip_zero_advantage``: the loss weight of the sequences that trained (summed over
+#: micro-batches and ranks; `as_batch_means` turns it into their share of the batch's)
+TRAINED_WEIGHT = "actor/trained_weight"
+#: weighted sums of rl_loss that are exact whatever was skipped (skipped tokens add 0 to them)
+_EXACT_SUMS = frozenset({"loss", "actor/pg_loss", TRAINED_WEIGHT})
+
+
+def as_batch_means(metrics: dict[str, float], batch: TrainBatch, cfg: LossConfig
+                   ) -> dict[str, float]:
+    """A train step's metrics with the per-token statistics of the sequences that trained
+    (``skip_zero_advantage``) scaled to the batch's loss weight, so ``actor/entropy``,
+    ``actor/clip_frac``, ... read as without skipping, and ``actor/trained_weight`` as the
+    trained share (1.0: nothing was skipped). ``loss`` and ``actor/pg_loss`` are exact already."""
+    trained = metrics.get(TRAINED_WEIGHT)
+    if trained is None:
+        return metrics
+    total = float(sum(float(w.sum()) for w in batch_loss_weights(batch, cfg)))
+    if trained <= 0.0 or total <= 0.0:
+        return {**metrics, TRAINED_WEIGHT: 0.0}
+    scale = total / trained
+    out = {k: (v * scale if k.startswith("actor/") and k not in _EXACT_SUMS else v)
+           for k, v in metrics.items()}
+    out[TRAINED_WEIGHT] = trained / total
+    return out
 
 
 def sft_loss_micro(
@@ -222,6 +250,8 @@ def value_loss_micro(
 __all__ = [
     "MAX_METRICS",
     "PAIR_WEIGHT",
+    "TRAINED_WEIGHT",
+    "as_batch_means",
     "batch_loss_weights",
     "check_train_batch",
     "dpo_loss_micro",

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from palaestra.trainers.algorithms.estimators import compute_advantages
+from palaestra.trainers.algorithms.objective import as_batch_means
 from palaestra.trainers.batching import TrainBatch
 
 if TYPE_CHECKING:
@@ -181,7 +182,7 @@ def ppo_step(cfg: PPOSettings, actor: Actor, critic: Critic, batch: TrainBatch, 
                 skipped.append(f"critic (epoch {epoch})")
             lap("time/critic_update_s")
             if train_actor:
-                out = actor.train_step(mini, loss)
+                out = as_batch_means(dict(actor.train_step(mini, loss)), mini, loss)
                 actor_rows.append(out)
                 if update_skipped(out):
                     skipped.append(f"actor (epoch {epoch})")
