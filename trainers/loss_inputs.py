@@ -44,16 +44,16 @@ def sequences_with_signal(batch: TrainBatch, subset: Sequence[int] | None = None
     """The sequences of ``subset`` (default: all of ``batch``) with a non-zero advantage on a
     loss token, the ones a policy-gradient step learns from (``skip_zero_advantage``).
 
-    When none has one, ``subset`` unchanged: the step then runs as without skipping (an
-    optimizer step on zero gradients still moves AdamW's weights, so an empty step would not be
-    the same update)."""
+    When none has one, the shortest sequence alone: the optimizer still steps (AdamW moves the
+    weights on zero gradients too, so no step at all would be another update), on the same
+    all-zero gradient the whole batch gives, for one forward and backward instead of all."""
     if batch.advantages is None:
         return None if subset is None else list(subset)
-    chosen = range(batch.num_sequences) if subset is None else subset
+    chosen = list(range(batch.num_sequences) if subset is None else subset)
     keep = [i for i in chosen
             if bool(((batch.advantages[i] != 0) & (batch.loss_mask[i] > 0)).any())]
-    if not keep:
-        return None if subset is None else list(subset)
+    if not keep and chosen:
+        keep = [min(chosen, key=lambda i: batch.loss_mask[i].numel())]
     return keep
 
 

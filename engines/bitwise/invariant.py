@@ -12,17 +12,14 @@ path for a tail whose position depends on the tensor's size, with different ``si
 goes through one of two primitives whose order is fixed by construction, and elementwise work is
 written with operations that are the same on both paths:
 
-- `bmm_nt`: ``c[g] = a[g] @ b[g].T`` for matrices of a fixed shape. On CPU a torch ``bmm`` of at
-  least two matrices: a batched GEMM computes each matrix of one shape the same way, whatever
-  the batch count, the row order within the matrix and the thread count (measured over batch
-  counts 2-99, shuffled rows, 1 and 2 threads and worker threads; a lone matrix, G = 1, is the
-  exception for some shapes, hence the zero companion). On CUDA a Triton GEMM with fixed tiles
+- `bmm_nt`: ``c[g] = a[g] @ b[g].T``. On CPU an exact product (`exact_bmm_nt`): rows rounded
+  to 24-bit fixed point and multiplied as integers in float64, where every order of the sums
+  gives the same bits, so the host's BLAS (its kernel, instruction set, tile edges, threads)
+  cannot change a row's result. On CUDA a Triton GEMM with fixed tiles
   (`palaestra.engines.bitwise.invariant_triton`).
 - `row_sum`: a float32 sum over the last dim; on CPU torch's inner reduction with at least two
   rows (one row alone is split across threads), on CUDA one Triton program per row.
-- `linear` on CPU cuts the rows into blocks of `ROW_BLOCK` (the last padded with zeros) and runs
-  them as one `bmm_nt` against the shared weight, so a row meets the same GEMM whatever came
-  with it (on CUDA the Triton GEMM needs no blocks: its tiles never depend on the row count);
+- `linear` is one `bmm_nt` of all its rows against the weight;
   RMSNorm, the log-softmax and attention take their sums from `row_sum` and `bmm_nt`; the
   elementwise parts use ``+ - * /``, ``sqrt``, ``exp`` and ``log`` only (correctly rounded, or
   equal on the vector and scalar paths: 0 differences in 10^8 random ``exp`` inputs), never
@@ -47,9 +44,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-#: rows per GEMM block on CPU: every `linear` runs ``[ROW_BLOCK, K] x [K, N]`` products (32
-#: measured 1.2-1.3x a plain GEMM over 3,000 rows, and pads a 16-row decode step half as much
-#: as 64 would)
+#: query rows per attention tile
 ROW_BLOCK = 32
 #: key positions per attention block
 KEY_BLOCK = 64
@@ -59,22 +54,114 @@ def _on_cuda(t: torch.Tensor) -> bool:
     return t.device.type == "cuda"
 
 
-def bmm_nt(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None
-           ) -> torch.Tensor:
+def bmm_nt(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None,
+           b_columns_apart: bool = False) -> torch.Tensor:
     """``c[g] = a[g] @ b[g].T`` for ``a [G, M, K]``, ``b [G, N, K]`` (b may be an expanded
-    view), accumulated in float32 where the inputs are lower precision; ``[G, M, N]``."""
-    import torch
-
+    view), rounded once to ``out_dtype`` (default a's dtype); ``[G, M, N]``. Differentiable
+    (a plain-torch backward). On CUDA the fixed-tile Triton GEMM; on CPU `exact_bmm_nt`, where
+    ``b_columns_apart`` says that each of b's K columns must not change another's result (the
+    keys of a value product, some of which a query does not see)."""
     if _on_cuda(a):
         from palaestra.engines.bitwise import invariant_triton
 
         return invariant_triton.bmm_nt(a, b, out_dtype)
-    g = a.shape[0]
-    if g == 1:  # one matrix alone runs as a multi-threaded GEMM: pair it with a zero one
-        a = torch.cat((a, torch.zeros_like(a)))
-        b = b.expand(2, *b.shape[1:])
-    out = torch.bmm(a, b.transpose(1, 2))[:g]
-    return out if out_dtype is None else out.to(out_dtype)
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    if not (a.requires_grad or b.requires_grad):
+        return exact_bmm_nt(a, b, out_dtype, b_columns_apart)
+    return _exact_bmm_function().apply(a, b, out_dtype, b_columns_apart)
+
+
+#: bits of a row's fixed-point mantissa, and of each of its two halves
+_MANTISSA_BITS = 24
+_HALF_BITS = 12
+
+
+def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** exponent`` in float64, exactly: the exponent written into the bits (a library
+    ``pow`` or ``ldexp`` may round)."""
+    import torch
+
+    return ((exponent.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def _fixed_point_halves(x: torch.Tensor, exponent: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row of ``x [..., K]`` as integers: ``x ~= (hi * 2**12 + lo) * scale``, with the row
+    rounded to a 24-bit fixed point relative to ``2**exponent`` (``[..., 1]``, by default that
+    of the row's largest magnitude: float32's precision), ``|hi| <= 2**12``, ``|lo| <= 2**11``
+    and ``scale [..., 1]`` a power of two; all float64."""
+    import torch
+
+    x64 = x.double()
+    if exponent is None:  # |x| < 2**exponent
+        _, exponent = torch.frexp(x64.abs().amax(dim=-1, keepdim=True))
+    q = torch.round(x64 * _power_of_two(_MANTISSA_BITS - exponent))
+    hi = torch.round(q * 2.0 ** -_HALF_BITS)
+    return hi, q - hi * 2.0 ** _HALF_BITS, _power_of_two(exponent - _MANTISSA_BITS)
+
+
+def exact_bmm_nt(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype,
+                 b_columns_apart: bool = False) -> torch.Tensor:
+    """The CPU batch-invariant product: its bits do not depend on the BLAS at all.
+
+    A float32 GEMM's bits depend on the order of its sums, which the host's BLAS picks by CPU,
+    instruction set, shape, thread count and a row's position in its tile (under MKL's AVX2
+    kernels a row's result changes with its position in a 32-row block). Here every row of
+    ``a`` and ``b`` becomes integers (`_fixed_point_halves`), the three float64 GEMMs of their
+    halves sum integers below 2**53 (for ``K < 2**29``), which is exact in any order, and the
+    halves are put together and scaled back by the same elementwise float64 operations
+    everywhere: each ``c[g, i, j]`` is a fixed function of ``a[g, i]`` and ``b[g, j]``, on any
+    CPU, with any BLAS. The rounding of each row to 24 bits at its largest magnitude costs
+    what a float32 GEMM's own rounding does; the three float64 GEMMs cost ~8 float32 ones.
+
+    A row of ``b`` shares one scale over its K columns, so a column's magnitude moves the
+    rounding of the others. Where that must not happen (``b_columns_apart``: the value product
+    of attention, whose K columns are keys, those past a query's position differing between a
+    decode step and a training forward), each column of ``b`` gets its own power-of-two scale
+    over its N rows, moved exactly onto the matching column of ``a`` (a key a query does not
+    see has a zero weight there, so it moves nothing), and b's rows share one fixed scale."""
+    import torch
+
+    if a.shape[-1] >= 2 ** 29:
+        raise ValueError(f"exact_bmm_nt: K = {a.shape[-1]} must be below 2**29")
+    b_exponent = None
+    if b_columns_apart:  # every column below 1 in magnitude, b's rows on one fixed scale
+        _, exponent = torch.frexp(b.double().abs().amax(dim=-2, keepdim=True))  # [G, 1, K]
+        a = a.double() * _power_of_two(exponent)
+        b = b.double() * _power_of_two(-exponent)
+        b_exponent = torch.zeros(*b.shape[:-1], 1, dtype=torch.int64, device=b.device)
+    a_hi, a_lo, a_scale = _fixed_point_halves(a)
+    b_hi, b_lo, b_scale = _fixed_point_halves(b, b_exponent)
+    high = torch.bmm(a_hi, b_hi.transpose(1, 2))
+    middle = torch.bmm(torch.cat((a_hi, a_lo), -1), torch.cat((b_lo, b_hi), -1).transpose(1, 2))
+    low = torch.bmm(a_lo, b_lo.transpose(1, 2))
+    total = (high * 2.0 ** (2 * _HALF_BITS) + middle * 2.0 ** _HALF_BITS) + low
+    return (total * (a_scale * b_scale.transpose(1, 2))).to(out_dtype)
+
+
+@functools.cache
+def _exact_bmm_function() -> Any:
+    """`exact_bmm_nt` as an autograd function: the backward is two plain GEMMs (the forward's
+    rounding to integers has no useful gradient; only the forward that sampled must be
+    invariant)."""
+    import torch
+
+    class ExactBmmNT(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype,
+                    b_columns_apart: bool) -> torch.Tensor:
+            ctx.save_for_backward(a, b)
+            return exact_bmm_nt(a, b, out_dtype, b_columns_apart)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+            a, b = ctx.saved_tensors
+            grad_a = torch.bmm(grad.to(b.dtype), b) if ctx.needs_input_grad[0] else None
+            grad_b = (torch.bmm(grad.to(a.dtype).transpose(1, 2), a)
+                      if ctx.needs_input_grad[1] else None)
+            return grad_a, grad_b, None, None
+
+    return ExactBmmNT
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
@@ -94,55 +181,11 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)`` for ``x [M, K]``, ``weight [N, K]``, in blocks of `ROW_BLOCK`
-    rows (one `bmm_nt` call), each row's result independent of the others."""
-    if _on_cuda(x):  # the Triton GEMM is invariant to its row count: no blocks needed
-        out = bmm_nt(x.unsqueeze(0), weight.unsqueeze(0), out_dtype)[0]
-        return out if bias is None else out + bias.to(out.dtype)
-    out = _blocked_linear_function().apply(x, weight, out_dtype)
+    """``x @ weight.T (+ bias)`` for ``x [M, K]``, ``weight [N, K]``: one `bmm_nt` of all the
+    rows, each row's result independent of the others (neither the Triton GEMM's tiles nor the
+    CPU's exact product depend on the row count)."""
+    out = bmm_nt(x.unsqueeze(0), weight.unsqueeze(0), out_dtype)[0]
     return out if bias is None else out + bias.to(out.dtype)
-
-
-def _blocked_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None
-                    ) -> torch.Tensor:
-    import torch
-
-    m, k = x.shape
-    pad = (-m) % ROW_BLOCK
-    if pad or m == 0:
-        pad = pad or ROW_BLOCK
-        x = torch.cat((x, x.new_zeros(pad, k)))
-    blocks = x.reshape(-1, ROW_BLOCK, k)
-    out = bmm_nt(blocks, weight.unsqueeze(0).expand(blocks.shape[0], *weight.shape), out_dtype)
-    return out.reshape(-1, weight.shape[0])[:m]
-
-
-@functools.cache
-def _blocked_linear_function() -> Any:
-    """The CPU `linear` as an autograd function: the forward in invariant blocks, the backward
-    as two plain GEMMs (autograd through the blocked forward would build a ``[blocks, N, K]``
-    gradient of the expanded weight and sum it)."""
-    import torch
-
-    class BlockedLinear(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
-                    out_dtype: torch.dtype | None) -> torch.Tensor:
-            ctx.save_for_backward(x, weight)
-            return _blocked_linear(x, weight, out_dtype)
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-            x, weight = ctx.saved_tensors
-            grad = grad.to(x.dtype)
-            grad_x = grad @ weight if ctx.needs_input_grad[0] else None
-            grad_w = grad.t() @ x if ctx.needs_input_grad[1] else None
-            return grad_x, grad_w, None
-
-    return BlockedLinear
-
-
-
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -333,7 +376,7 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, plan: 
     ones = v_tiles.new_ones(total, blocks, KEY_BLOCK, 1)
     v_aug = torch.cat((v_tiles, ones), dim=-1).transpose(2, 3)  # [T, J, D + 1, BK]
     parts = bmm_nt(probs.reshape(-1, ROW_BLOCK, KEY_BLOCK), v_aug.reshape(-1, d + 1, KEY_BLOCK),
-                   torch.float32).view(total, blocks, ROW_BLOCK, d + 1)
+                   torch.float32, b_columns_apart=True).view(total, blocks, ROW_BLOCK, d + 1)
     acc = parts[:, 0]
     for j in range(1, blocks):  # block after block: the order a decode step uses too
         acc = acc + parts[:, j]

@@ -170,9 +170,10 @@ def test_temperature_matches_the_engines_sampling_logprobs() -> None:
         want = engine_token_logprobs(flat_h @ w.detach().t(), flat_ids, temperature=t)
         got, _ = linear_token_logprobs(flat_h, w.detach(), flat_ids, temperature=t,
                                        chunk_tokens=8)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        # chunked against whole GEMMs: a few float32 ulps of logprobs near -40 (relative)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
         torch.testing.assert_close(got, token_logprobs(flat_h @ w.detach().t(), flat_ids,
-                                                       temperature=t)[0], atol=1e-5, rtol=0)
+                                                       temperature=t)[0], atol=1e-5, rtol=1e-6)
 
 
 def test_bfloat16_autocast_matmul_matches_the_autocast_logits_path() -> None:

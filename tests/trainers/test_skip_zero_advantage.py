@@ -51,11 +51,12 @@ def sparse_batch(n: int = 8, prompt: int = 3) -> TrainBatch:
                       group_ids=[f"p{i // 4}" for i in range(n)])
 
 
-def one_step(model_dir: Path, loss: LossConfig, batch: TrainBatch
+def one_step(model_dir: Path, loss: LossConfig, batch: TrainBatch, weight_decay: float = 0.0
              ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     # micro-batches of one sequence each (the longest is 18 tokens): the same order either way
     backend = TorchBackend(model_dir, TorchBackendConfig(
-        device="cpu", lr=1e-3, max_tokens_per_micro_batch=18, pack_sequences=False))
+        device="cpu", lr=1e-3, max_tokens_per_micro_batch=18, pack_sequences=False,
+        weight_decay=weight_decay))
     metrics = as_batch_means(dict(backend.train_step(batch, loss)), batch, loss)
     return {k: v.detach().clone() for k, v in backend.model.named_parameters()}, metrics
 
@@ -93,17 +94,30 @@ def test_entropy_reads_as_the_trained_sequences_mean(model_dir: Path) -> None:
     assert skip["actor/entropy"] == pytest.approx(plain["actor/entropy"], rel=1e-6)
 
 
-def test_a_batch_without_signal_trains_as_before() -> None:
-    """An empty step would still move AdamW's weights differently: nothing is skipped."""
+def test_a_batch_without_signal_steps_on_its_shortest_sequence(model_dir: Path) -> None:
+    """No step at all would leave AdamW's weights elsewhere: the optimizer steps on the zero
+    gradient of one sequence, and the weights are those of the whole batch's step."""
     batch = sparse_batch()
     flat = batch.replace(advantages=tuple(m * 0.0 for m in batch.loss_mask))
-    assert sequences_with_signal(flat) is None
-    assert sequences_with_signal(flat, [1, 2]) == [1, 2]
+    shortest = min(range(8), key=lambda i: flat.loss_mask[i].numel())
+    assert sequences_with_signal(flat) == [shortest]
+    assert sequences_with_signal(flat, [1, 2]) == [min((1, 2), key=lambda i:
+                                                       flat.loss_mask[i].numel())]
+    assert sequences_with_signal(flat, []) == []
     assert sequences_with_signal(batch) == [4, 5, 7]
     assert sequences_with_signal(batch, [0, 5, 6]) == [5]
-    micro = loss_micro_batches(flat, LossConfig.from_preset("grpo", skip_zero_advantage=True),
-                               critic=False, max_tokens=4096, pack=True)
-    assert sorted(i for mb in micro for i in mb.indices) == list(range(8))
+    weights_plain, metrics_plain = one_step(model_dir, LossConfig.from_preset("grpo"), flat,
+                                            weight_decay=0.1)
+    weights_skip, metrics_skip = one_step(
+        model_dir, LossConfig.from_preset("grpo", skip_zero_advantage=True), flat,
+        weight_decay=0.1)
+    assert (metrics_plain["num_micro_batches"], metrics_skip["num_micro_batches"]) == (8.0, 1.0)
+    initial = TorchBackend(model_dir, TorchBackendConfig(device="cpu")).model
+    moved = False
+    for name, start in initial.named_parameters():
+        assert torch.equal(weights_plain[name], weights_skip[name]), name
+        moved = moved or not torch.equal(start.detach(), weights_skip[name])
+    assert moved  # weight decay on a zero gradient: the step is not a no-op
 
 
 def test_the_critic_never_skips() -> None:
