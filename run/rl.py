@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, cast
 
 from palaestra.contracts import AdapterTrainer, Closeable
 from palaestra.engine import EngineStats
+from palaestra.host_memory import release_freed_memory, resident_gib
 from palaestra.run.builders import build_backend
 from palaestra.run.config import TrainConfig
 from palaestra.run.fleet.engine_sync import EngineSync
@@ -45,8 +46,8 @@ if TYPE_CHECKING:
     from palaestra.rollout.manager import RolloutManager
     from palaestra.rollout.rewards.worker import RewardClient
     from palaestra.run.evaluation import TrainingEvaluation
-    from palaestra.run.fleet.colocate import ColocatedPhases
     from palaestra.run.fleet.admin import AdminServer
+    from palaestra.run.fleet.colocate import ColocatedPhases
     from palaestra.run.fleet.elastic import ElasticEngines
     from palaestra.run.fleet.placement import RunPlan
     from palaestra.run.fleet.weight_pushes import SyncPush
@@ -260,6 +261,8 @@ class RLRun:
             record.update(elastic.metrics())
         record.update(update.times)  # PPO's breakdown: time/values_s, time/actor_update_s
         record["train/skipped_steps"] = self.counts["skipped_steps"]
+        release_freed_memory()  # what the rollout's threads freed (host_memory says why)
+        record["host/rss_gib"] = resident_gib()
         if self.evaluator is not None and self.evaluator.due(step + 1):
             record.update(await self.evaluator.evaluate(self.engine, step + 1))
         run.log_metrics(record)

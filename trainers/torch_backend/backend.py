@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from palaestra.errors import ConfigError
+from palaestra.host_memory import release_freed_memory
 from palaestra.trace_ranges import span
 from palaestra.trainers.algorithms.config import LossConfig
 from palaestra.trainers.algorithms.objective import (
@@ -43,13 +44,13 @@ from palaestra.trainers.algorithms.objective import (
     value_loss_micro,
 )
 from palaestra.trainers.batching import TrainBatch
+from palaestra.trainers.loss_inputs import LOSS_WEIGHTS, loss_micro_batches, runs_ref_forward
 from palaestra.trainers.micro_batches import (
     MicroBatch,
     build_micro_batch,
     make_micro_batches,
     split_across_ranks,
 )
-from palaestra.trainers.loss_inputs import LOSS_WEIGHTS, loss_micro_batches, runs_ref_forward
 from palaestra.trainers.torch_backend import checkpoint as ckpt
 from palaestra.trainers.torch_backend.config import TorchBackendConfig
 from palaestra.trainers.torch_backend.distributed import (
@@ -540,6 +541,8 @@ class TorchBackend:
                 sums[k] = merge_metric(k, sums[k], float(v))
         with span("optimizer"):
             grad_norm = self._clip_and_step()
+        del micro
+        release_freed_memory()  # the step's freed activations back to the system (host_memory)
         maxima = {k: sums.pop(k) for k in MAX_METRICS if k in sums}
         result = all_reduce_sum(dict(sums), self.dist)
         result.update(all_reduce_max(maxima, self.dist))
