@@ -249,6 +249,22 @@ class TrainerSection(Section):
     ``rollout/full_vocab_tv``; exactly 0.0 in bitwise mode; docs/on_policy.md); 0 turns the
     check off. Runs with engine.kind = "local" without [placement] and the torch backend."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _schedule_over_the_run(cls, data: Any) -> Any:
+        """A decaying learning rate in ``trainer.torch``/``trainer.megatron`` needs no
+        ``total_steps`` here: each phase sets it to its own steps (`run.builders`), so a config
+        or a ``--trainer.steps`` override cannot leave a stale one. A placeholder passes the
+        backend settings' own check."""
+        if not isinstance(data, dict):
+            return data
+        for name in ("torch", "megatron"):
+            backend = data.get(name)
+            if (isinstance(backend, dict) and backend.get("lr_schedule", "constant") != "constant"
+                    and backend.get("total_steps") is None):
+                data = {**data, name: {**backend, "total_steps": max(1, int(data.get("steps", 20)))}}
+        return data
+
     @model_validator(mode="after")
     def _replay_into_backend(self) -> TrainerSection:
         if self.routing_replay != "off":

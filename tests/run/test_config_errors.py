@@ -377,3 +377,18 @@ def test_a_train_filter_is_checked_and_sees_only_training_rows(tmp_path):
         "--data.train_filter", f"{__name__}:keep_nothing"])
     with pytest.raises(ConfigError, match="kept none of the 7 training rows"):
         train_rows(cfg)
+
+
+def test_a_decaying_rl_learning_rate_needs_no_total_steps():
+    """``trainer.torch.lr_schedule = "cosine"`` alone is a valid config: the RL phase decays
+    over ``trainer.steps`` (an override of it included), not over a number written twice."""
+    from palaestra.run.builders import backend_config
+
+    cfg = load_config(TrainConfig, QUICKSTART, [
+        "--trainer.torch.lr_schedule", "cosine", "--trainer.megatron.lr_schedule", "linear",
+        "--trainer.steps", "7"])
+    built = backend_config(cfg.trainer.torch, temperature=1.0, seed=0, steps=cfg.trainer.steps)
+    assert (cfg.trainer.torch.total_steps, built.total_steps) == (7, 7)
+    assert cfg.trainer.megatron.total_steps == 7
+    constant = load_config(TrainConfig, QUICKSTART, ["--trainer.steps", "7"])
+    assert constant.trainer.torch.total_steps is None
