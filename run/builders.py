@@ -103,25 +103,28 @@ def backend_config(torch_cfg: TorchBackendConfig, *, temperature: float, seed: i
 
 
 def build_backend(trainer: TrainerSection, policy_path: Path, *, temperature: float, seed: int,
+                  optimizer_steps: int | None = None,
                   group: RunPlan | None = None, ray_address: str | None = None,
                   placement_group: object = None, ready_timeout_s: float = 300.0
                   ) -> TrainerBackend[TrainBatch, LossConfig]:
     """The RL training backend: the PyTorch one, Megatron-core on CUDA machines, or (``group``:
     the plan of ``[placement]`` with several trainer ranks) PyTorch ranks as Ray actors
     (``placement_group``: in the one the colocated engine actors reserved for both; a group
-    not placed within ``ready_timeout_s`` fails the run with what the cluster has)."""
+    not placed within ``ready_timeout_s`` fails the run with what the cluster has). A decaying
+    learning rate spans ``optimizer_steps`` (default ``trainer.steps``): with several updates
+    per rollout batch it would otherwise reach its floor part of the way through the run."""
+    steps = optimizer_steps or trainer.steps
     if trainer.backend == "megatron":
         if group is not None:  # Megatron ranks as Ray actors (tp/ep from trainer.megatron)
             from palaestra.trainers.group.group import TrainerGroup
 
             return TrainerGroup(policy_path, megatron_config(
-                trainer.megatron, seed=seed, steps=trainer.steps,
+                trainer.megatron, seed=seed, steps=steps,
                 logits_temperature=temperature), group, address=ray_address,
                 placement_group=placement_group, ready_timeout_s=ready_timeout_s).start()
-        return megatron_backend(trainer.megatron, policy_path, seed=seed, steps=trainer.steps,
+        return megatron_backend(trainer.megatron, policy_path, seed=seed, steps=steps,
                                 logits_temperature=temperature)
-    torch_cfg = backend_config(trainer.torch, temperature=temperature, seed=seed,
-                               steps=trainer.steps)
+    torch_cfg = backend_config(trainer.torch, temperature=temperature, seed=seed, steps=steps)
     if group is not None:  # [placement] trainer_ranks: Ray actors on a placement group
         from palaestra.trainers.group.group import TrainerGroup
 

@@ -124,9 +124,12 @@ class RLRun:
         from palaestra.rollout.manager import RolloutManager
         from palaestra.run.fleet.start import trainer_placement_group
 
+        from palaestra.run.phases.critic import optimizer_steps
+
         r = cfg.rollout
         backend = build_backend(cfg.trainer, policy_path, temperature=r.temperature,
-                                seed=cfg.seed, group=_trainer_group(cfg),
+                                seed=cfg.seed, optimizer_steps=optimizer_steps(cfg),
+                                group=_trainer_group(cfg),
                                 ray_address=r.ray_address,
                                 placement_group=trainer_placement_group(engine),
                                 ready_timeout_s=r.start_timeout_s)
