@@ -123,7 +123,6 @@ class RLRun:
         from palaestra.rollout.data import DataSource
         from palaestra.rollout.manager import RolloutManager
         from palaestra.run.fleet.start import trainer_placement_group
-
         from palaestra.run.phases.critic import optimizer_steps
 
         r = cfg.rollout

@@ -258,11 +258,14 @@ class TrainerSection(Section):
         backend settings' own check."""
         if not isinstance(data, dict):
             return data
+        steps = data.get("steps", cls.model_fields["steps"].default)
+        # a bad ``steps`` is left to its own field's message; the placeholder only has to pass
+        placeholder = steps if isinstance(steps, int) and steps > 0 else 1
         for name in ("torch", "megatron"):
             backend = data.get(name)
             if (isinstance(backend, dict) and backend.get("lr_schedule", "constant") != "constant"
                     and backend.get("total_steps") is None):
-                data = {**data, name: {**backend, "total_steps": max(1, int(data.get("steps", 20)))}}
+                data = {**data, name: {**backend, "total_steps": placeholder}}
         return data
 
     @model_validator(mode="after")

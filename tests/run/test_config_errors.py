@@ -392,3 +392,9 @@ def test_a_decaying_rl_learning_rate_needs_no_total_steps():
     assert cfg.trainer.megatron.total_steps == 7
     constant = load_config(TrainConfig, QUICKSTART, ["--trainer.steps", "7"])
     assert constant.trainer.torch.total_steps is None
+
+
+def test_a_bad_step_count_beside_a_decaying_rate_names_the_step_count(tmp_path):
+    """The schedule's placeholder never hides the field's own message behind a parse error."""
+    message = _refused(tmp_path, "--trainer.steps", "abc", "--trainer.torch.lr_schedule", "cosine")
+    assert 'trainer.steps = "abc"' in message and "int()" not in message
