@@ -128,6 +128,7 @@ def trace_step(step_index: int, out_dir: Path) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from palaestra import trace_ranges
+    from palaestra.engines.local.cuda_graphs import CAPTURE_LOCK
 
     rl_run = _rl_run_class()
     original = rl_run.step
@@ -137,17 +138,26 @@ def trace_step(step_index: int, out_dir: Path) -> dict[str, Any]:
         if step != step_index:
             await original(self, step)
             return
-        activities = [ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(ProfilerActivity.CUDA)
-            torch.cuda.synchronize()
-        with profile(activities=activities) as prof, trace_ranges.record() as ranges:
-            began = time.perf_counter_ns()
-            with record_function(STEP_MARK):
-                await original(self, step)
-            if torch.cuda.is_available():
+        cuda = torch.cuda.is_available()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        prof = profile(activities=activities)
+        # the profiler synchronizes the device as it starts and stops; an engine thread may be
+        # capturing a decode graph then, which a device-wide synchronize would break
+        with CAPTURE_LOCK:
+            if cuda:
                 torch.cuda.synchronize()
-            ended = time.perf_counter_ns()
+            prof.start()
+        with trace_ranges.record() as ranges:
+            began = time.perf_counter_ns()
+            try:
+                with record_function(STEP_MARK):
+                    await original(self, step)
+            finally:
+                with CAPTURE_LOCK:
+                    if cuda:
+                        torch.cuda.synchronize()
+                    ended = time.perf_counter_ns()
+                    prof.stop()
         trace_file = out_dir / f"trace-step{step}.json.gz"
         prof.export_chrome_trace(str(trace_file))
         report.update(trace_file=str(trace_file), began_ns=began, ended_ns=ended,

@@ -19,6 +19,7 @@ rounding of reductions whose kernels depend on the row count (the graph runs the
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -27,6 +28,12 @@ if TYPE_CHECKING:
     from palaestra.engines.local.kv_cache import SlotKVCache
     from palaestra.engines.local.model import Decoder
     from palaestra.engines.local.sampling import RowSampler
+
+#: Held while a decode graph is captured. A device-wide synchronize (a profiler starting or
+#: stopping, `palaestra.benchmarks.perf.idle`) from another thread during a capture fails with
+#: "operation not permitted when stream is capturing" and invalidates the capture, so such a
+#: caller takes this lock first.
+CAPTURE_LOCK = threading.Lock()
 
 _BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
@@ -162,10 +169,11 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # thread-local capture: CUDA calls of other threads (a trainer stepping in async mode)
         # neither fail nor invalidate this capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with CAPTURE_LOCK, torch.cuda.graph(graph, pool=self._pool,
+                                            capture_error_mode="thread_local"):
             out = step()
         self.captures += 1
         return _Graph(graph, tok_buf, pos_buf, out, static, u_buf)
 
 
-__all__ = ["DecodeGraphs"]
+__all__ = ["CAPTURE_LOCK", "DecodeGraphs"]

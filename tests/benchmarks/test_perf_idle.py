@@ -59,6 +59,47 @@ def test_spans_are_free_when_off_and_recorded_on_every_thread() -> None:
     assert trace_ranges.span("optimizer") is trace_ranges.span("tokenization")
 
 
+def test_the_profiler_starts_and_stops_only_between_graph_captures(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The profiler synchronizes the device as it starts and stops; an embedded engine capturing
+    # a decode graph on its own thread then fails ("operation not permitted when stream is
+    # capturing", seen on one H100). Both happen under the engine's capture lock, and the step
+    # itself runs with the lock free, so the engine can still capture during it.
+    import asyncio
+
+    import torch.profiler
+
+    from palaestra.engines.local.cuda_graphs import CAPTURE_LOCK
+
+    seen: dict[str, bool] = {}
+
+    class Profile:
+        def __init__(self, activities: object) -> None:
+            pass
+
+        def start(self) -> None:
+            seen["start"] = CAPTURE_LOCK.locked()
+
+        def stop(self) -> None:
+            seen["stop"] = CAPTURE_LOCK.locked()
+
+        def export_chrome_trace(self, path: str) -> None:
+            Path(path).write_bytes(b"")
+
+    class Run:
+        async def step(self, step: int) -> None:
+            seen[f"step {step}"] = CAPTURE_LOCK.locked()
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(idle, "_rl_run_class", lambda: Run)
+    report = idle.trace_step(1, tmp_path)
+    asyncio.run(Run().step(0))
+    asyncio.run(Run().step(1))
+    report.pop("restore")()
+    assert seen == {"step 0": False, "start": True, "step 1": False, "stop": True}
+    assert Path(report["trace_file"]).name == "trace-step1.json.gz"
+
+
 @pytest.mark.slow  # one short training run in a subprocess: ~20-40 s on the 2-core machine
 def test_traced_cpu_cell_attributes_the_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              capsys: pytest.CaptureFixture[str]) -> None:

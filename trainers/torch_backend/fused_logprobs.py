@@ -9,7 +9,7 @@ softmax. Here the ``lm_head`` matmul runs per chunk of tokens inside one autogra
   and (optionally) the entropy; only ``[N]``-sized results are kept.
 - backward: each chunk's logits are recomputed and turned into ``dL/dz`` directly
   (``d logp/dz = onehot - p``, ``d H/dz = -p (z - E_p[z])``), then projected to ``dL/dh`` and
-  accumulated into ``dL/dW`` (float32), so at most one chunk of float32 logits is alive.
+  accumulated into ``dL/dW`` (float32), in place, so two chunks of float32 logits are alive.
 
 The matmul runs in the autocast dtype when autocast is on (as the model's ``lm_head`` would),
 everything after it in float32, so the values equal the plain path's up to float rounding.
@@ -100,17 +100,24 @@ class _LinearLogprobs(torch.autograd.Function):
             for s in range(0, n, chunk):
                 e = min(s + chunk, n)
                 z = _chunk_logits(h[s:e], w, bias, inv_temp)
-                p = torch.exp(z - lse[s:e, None])
-                g = torch.zeros_like(z)
-                if grad_logp is not None:  # d logp / dz = onehot(target) - p
-                    gl = grad_logp[s:e].to(z.dtype)
-                    g = g - p * gl[:, None]
-                    g[rows[: e - s], targets[s:e]] += gl
-                if grad_ent is not None:  # d H / dz = -p (z - E_p[z]),  E_p[z] = lse - H
-                    mean_z = lse[s:e] - ent[s:e]
-                    g = g - p * (z - mean_z[:, None]) * grad_ent[s:e].to(z.dtype)[:, None]
+                # dL/dz = gl (onehot - p) - ge p (z - E_p[z]) = -p (gl + ge (z - E_p[z])) + gl
+                # onehot, built in place in z and p: two float32 chunks alive, not six
+                p = torch.sub(z, lse[s:e, None]).exp_()
+                if grad_ent is not None:  # E_p[z] = lse - H
+                    coeff = z.sub_((lse[s:e] - ent[s:e])[:, None])
+                    coeff.mul_(grad_ent[s:e].to(z.dtype)[:, None])
+                    if grad_logp is not None:
+                        coeff.add_(grad_logp[s:e].to(z.dtype)[:, None])
+                    g = p.mul_(coeff).neg_()
+                elif grad_logp is not None:
+                    g = p.mul_(grad_logp[s:e].to(z.dtype).neg()[:, None])
+                else:
+                    g = p.zero_()
+                del z
+                if grad_logp is not None:
+                    g[rows[: e - s], targets[s:e]] += grad_logp[s:e].to(g.dtype)
                 if inv_temp != 1.0:
-                    g = g * inv_temp
+                    g.mul_(inv_temp)
                 if grad_b is not None:
                     grad_b += g.sum(0)
                 g = g.to(w.dtype)
