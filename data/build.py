@@ -15,6 +15,11 @@ What it writes (licences and origins in ``data/README.md`` and each folder's ``S
 - ``search/multihop_split.jsonl.gz``: the same 300 rows with ``"split"``, for training on them:
   every third row (index 2, 5, 8, ...) is held out (100 rows: 66 HotpotQA, 34 MuSiQue), and the
   held-out rows come last, so a run's ``eval.num_tasks = 100`` tail is exactly them.
+- ``search/multihop_more_split.jsonl.gz``: ``multihop_split``'s 300 rows after more training
+  questions: those of HotpotQA's 7,405 dev questions (question/answer only) and R1-Searcher's
+  2Wiki-500 and MuSiQue-500 that are not among the 300 (by normalised question text), not
+  answered yes/no, and whose answer a search of the question brings back from the corpus (BM25,
+  3 passages of 40 words: the SmolLM2 Search-R1 recipe's retrieval). Same held-out tail.
 - ``search/nq_open_dev.jsonl.gz``: NQ-open dev (3,610 rows ``{"question", "answer"}``), verbatim.
 - ``math/gsm8k_{train,test}.jsonl.gz``, ``math/math500_test.jsonl.gz``: verbatim rows.
 - ``code/humaneval.jsonl.gz`` (verbatim), ``code/mbpp.jsonl.gz`` (the full 974-task file, verbatim).
@@ -130,6 +135,41 @@ def build_search_split(out: Path) -> None:
     _write_jsonl_gz(out / "search/multihop_split.jsonl.gz", split_multihop(questions))
 
 
+#: the retrieval that decides which extra questions a search answers (configs/search_r1_smollm2.toml)
+RECIPE_RETRIEVAL = {"retriever": "bm25", "topk": 3, "passage_words": 40, "max_turns": 3}
+
+
+def more_training_questions(shared: Path, out: Path) -> list[dict[str, Any]]:
+    """Question/answer rows beyond the 300 whose answer one search of the question finds."""
+    from palaestra.envs.rewards import normalize_answer
+    from palaestra.envs.search.multihop_demonstrations import answerable
+
+    with gzip.open(out / "search/multihop.jsonl.gz", "rt", encoding="utf-8") as f:
+        known = {normalize_answer(json.loads(line)["question"]) for line in f}
+    pool: list[dict[str, Any]] = []
+    dev = json.loads((shared / "hotpotqa/hotpot_dev_v1_simplified.json").read_text())
+    for i, row in enumerate(dev):
+        pool.append({"id": f"hotpotqa-devqa-{i}", "question": row["question"],
+                     "golden_answers": [row["answer"]], "data_source": "hotpotqa"})
+    for name in ("2wiki", "musique"):
+        for line in (shared / f"r1searcher_eval_sets/{name}_500.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            pool.append({"id": f"{name}-r1searcher-{row['idx']}", "question": row["question"],
+                         "golden_answers": [row["answer"]], "data_source": name})
+    # a yes/no answer is in nearly every passage: "the search found it" would mean nothing
+    pool = [r for r in pool if normalize_answer(r["question"]) not in known
+            and normalize_answer(r["golden_answers"][0]) not in ("yes", "no")]
+    kwargs = {**RECIPE_RETRIEVAL, "corpus": str(out / "search/corpus.jsonl.gz")}
+    return answerable(pool, env_kwargs=kwargs)
+
+
+def build_more_split(shared: Path, out: Path) -> None:
+    with gzip.open(out / "search/multihop_split.jsonl.gz", "rt", encoding="utf-8") as f:
+        split = [json.loads(line) for line in f]
+    extra = [{**row, "split": "train"} for row in more_training_questions(shared, out)]
+    _write_jsonl_gz(out / "search/multihop_more_split.jsonl.gz", extra + split)
+
+
 def build_math_and_code(shared: Path, out: Path) -> None:
     _gzip_verbatim(shared / "gsm8k/train.jsonl", out / "math/gsm8k_train.jsonl.gz")
     _gzip_verbatim(shared / "gsm8k/test.jsonl", out / "math/gsm8k_test.jsonl.gz")
@@ -145,6 +185,7 @@ def main() -> None:
     args = parser.parse_args()
     build_search(args.shared, args.out)
     build_search_split(args.out)
+    build_more_split(args.shared, args.out)
     build_math_and_code(args.shared, args.out)
 
 

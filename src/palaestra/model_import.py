@@ -19,6 +19,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,22 @@ def gguf_architecture(gguf_file: str | Path) -> str:
     return str(field.contents())
 
 
+@contextmanager
+def _quiet_off_a_terminal() -> Iterator[None]:
+    """transformers' GGUF loader draws a tqdm bar whatever its output is; in a log file every
+    redraw became text. ``disable=None`` is tqdm's own rule: draw on a terminal only."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(bar, disable=None)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def convert_gguf(gguf_file: str | Path, out_dir: str | Path, *, dtype: str = "fp32") -> Path:
     """Dequantize a Llama/Qwen2/Qwen3 GGUF file into a Hugging Face folder at ``out_dir``."""
     gguf_path = Path(gguf_file).expanduser()
@@ -77,9 +95,10 @@ def convert_gguf(gguf_file: str | Path, out_dir: str | Path, *, dtype: str = "fp
 
     folder, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    quantized = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32
-    )
+    with _quiet_off_a_terminal():
+        quantized = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32
+        )
     # transformers marks a GGUF-loaded model as quantized and refuses to save it; the tensors are
     # already dequantized, so a fresh model of the same config (without that mark) takes them
     config = quantized.config

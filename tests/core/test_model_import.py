@@ -17,8 +17,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 gguf = pytest.importorskip("gguf", reason="the gguf package is needed: pip install 'palaestra[gguf]'")
 torch = pytest.importorskip("torch")
 
-from palaestra import model_import  # noqa: E402
-from palaestra.errors import ConfigError, MissingExtraError, PalaestraError  # noqa: E402
+from palaestra import model_import
+from palaestra.errors import ConfigError, MissingExtraError, PalaestraError
 
 TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 
@@ -153,6 +153,16 @@ def test_bf16_and_the_cli(source, tmp_path: Path) -> None:
     assert main(["init-model", "--from-gguf", str(source[2]), "--out", str(out), "--dtype", "bf16"]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+
+
+def test_conversion_into_a_log_file_draws_no_progress_bar(
+        source, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    model_import.convert_gguf(source[2], tmp_path / "out")  # capfd: stderr is not a terminal
+    assert "de-quantizing GGUF tensors" not in capfd.readouterr().err
+    assert gguf_utils.tqdm is bar  # transformers' own bar is back for everyone else
 
 
 def test_bad_inputs_are_clear(source, tmp_path: Path) -> None:

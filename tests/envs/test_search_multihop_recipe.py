@@ -3,10 +3,10 @@ held-out benchmarks, and the answer-came-from-a-passage metric."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from palaestra.benchmarks.builtin import CLOSED_BOOK_ENV_KWARGS, SEARCH_R1_SMOLLM2_ENV_KWARGS
 from palaestra.benchmarks.envpool import load_tasks
@@ -21,6 +21,7 @@ from palaestra.rollout.data import split_held_out
 
 ROOT = Path(__file__).resolve().parents[2]
 SPLIT = ROOT / "data/search/multihop_split.jsonl.gz"
+MORE = ROOT / "data/search/multihop_more_split.jsonl.gz"
 RECIPE = ROOT / "configs/search_r1_smollm2.toml"
 
 
@@ -40,6 +41,20 @@ def test_the_split_holds_out_every_third_question_last() -> None:
     assert not {r["id"] for r in train} & {r["id"] for r in held_out}
     assert not {r["question"] for r in train} & {r["question"] for r in held_out}
     assert len(train) == 200
+
+
+def test_the_extra_training_questions_keep_the_held_out_tail_and_a_search_answers_them(
+        bm25) -> None:
+    train, held_out = split_held_out(load_data_rows(MORE), 100)
+    assert held_out == split_held_out(load_data_rows(SPLIT), 100)[1]
+    # never trained on, even as a reworded duplicate that normalises to the same text
+    held_out_questions = {normalize_answer(r["question"]) for r in held_out}
+    assert not {normalize_answer(r["question"]) for r in train} & held_out_questions
+    extra = [r for r in train if "gold_ids" not in r]
+    assert len(extra) == len(train) - 200 > 200
+    assert not [r for r in extra if normalize_answer(r["golden_answers"][0]) in ("yes", "no")]
+    env_kwargs = {**SEARCH_R1_SMOLLM2_ENV_KWARGS, "retriever": bm25}
+    assert answerable(extra, env_kwargs=env_kwargs) == extra
 
 
 def test_the_recipe_and_the_benchmarks_play_the_same_env() -> None:
