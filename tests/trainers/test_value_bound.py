@@ -32,3 +32,8 @@ def test_a_digit_error_no_critic_can_foresee_caps_the_explained_variance() -> No
     assert late["explained_variance_ceiling"] == pytest.approx(0.5)
     many = bound([([True] * 4, 1.0), ([True] * 4, 0.0)])
     assert 0.5 < many["explained_variance_ceiling"] < 0.6  # 1 - 0.104 / 0.25
+    # a failure decided by the first sampled token is known from the second token on: only the
+    # first of the successful episode's two tokens is uncertain, 0.0625 of 0.25 left
+    early = bound([([False, True], 1.0), ([False, True], 0.0)], early_failures=1)
+    assert early["error_per_digit"] == pytest.approx(0.0)
+    assert early["explained_variance_ceiling"] == pytest.approx(0.75)
