@@ -241,9 +241,19 @@ class TorchBackend:
             )
             hf_config.num_labels = 1
             hf_config.classifier_dropout = 0.0
-            model = AutoModelForTokenClassification.from_pretrained(
-                str(path), config=hf_config, **kwargs
-            )
+            # a causal LM checkpoint has no value head: transformers' load report would print
+            # a table of the head's "MISSING" keys into every PPO run's log; the head is meant
+            # to start fresh, so that report says nothing a user needs
+            from transformers.utils import logging as hf_logging
+
+            verbosity = hf_logging.get_verbosity()
+            hf_logging.set_verbosity_error()
+            try:
+                model = AutoModelForTokenClassification.from_pretrained(
+                    str(path), config=hf_config, **kwargs
+                )
+            finally:
+                hf_logging.set_verbosity(verbosity)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
         model.config.use_cache = False
