@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import json
 import math
 from pathlib import Path
@@ -193,10 +194,11 @@ def test_dpo_starts_at_log2_and_improves(model_dir):
         b.train_step(base.replace(ref_logprobs=base.loss_mask), cfg)
 
 
-def test_critic_values_and_value_loss(model_dir, capfd):
-    critic = backend(model_dir, critic=True, lr=3e-4)
+def test_critic_values_and_value_loss(model_dir, capfd, caplog):
+    with caplog.at_level(logging.INFO):
+        critic = backend(model_dir, critic=True, lr=3e-4)
     # the fresh value head is the design, not news: no load report of its "MISSING" keys
-    assert "MISSING" not in "".join(capfd.readouterr())
+    assert "MISSING" not in "".join(capfd.readouterr()) + caplog.text
     batch = make_batch(seed=8)
     values = critic.forward_values(batch)
     assert [v.shape for v in values] == [t.shape for t in batch.token_ids]
