@@ -277,3 +277,17 @@ def test_megatron_vocab_parallel_logprobs_chunked_gradients() -> None:
         grad = torch.autograd.grad((lp * wl).sum() + (ent * we).sum(), logits)[0]
         torch.testing.assert_close(grad.double(), ref_grad, atol=1e-5, rtol=0)
         assert float(grad[..., 13:].abs().max()) == 0.0  # padding columns get no gradient
+
+
+def test_a_process_held_to_avx2_chooses_float32_as_a_cpu_without_bf16_would(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held to AVX2 (the AVX2 pass, docs/results.md's AVX2 runs), torch emulates bf16 matmuls;
+    ``auto`` must pick what a CPU without AVX512-BF16/AMX picks, whatever this CPU has."""
+    assert not cpu_has_bf16({"ATEN_CPU_CAPABILITY": "avx2"})
+    assert not cpu_has_bf16({"ONEDNN_MAX_CPU_ISA": "AVX2"})
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps({"hidden_size": CPU_BF16_MIN_HIDDEN}))
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert cpu_autocast_dtype("auto", big) == torch.float32
+    assert cpu_autocast_dtype("bf16", big) == torch.bfloat16  # asked for explicitly: kept

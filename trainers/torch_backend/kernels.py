@@ -22,6 +22,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -124,8 +126,28 @@ def liger_linear_logprobs(
 
 
 
-def cpu_has_bf16() -> bool:
-    """True when this CPU advertises AVX512-BF16 or AMX-BF16 (Linux ``/proc/cpuinfo``)."""
+#: Instruction sets a process can be held to (``ATEN_CPU_CAPABILITY``, ``ONEDNN_MAX_CPU_ISA``)
+#: that have no bf16 arithmetic: held there, torch emulates bf16 matmuls (tens of times slower
+#: than float32), as a CPU without AVX512-BF16/AMX would never be asked to.
+_HELD_WITHOUT_BF16 = {"default", "sse41", "avx", "avx2", "avx2_vnni", "avx512", "avx512_core",
+                      "avx512_core_vnni"}
+
+
+def _held_below_bf16(environ: Mapping[str, str]) -> str | None:
+    """The variable that holds this process to an instruction set without bf16, if any."""
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"):
+        if environ.get(name, "").strip().lower() in _HELD_WITHOUT_BF16:
+            return name
+    return None
+
+
+def cpu_has_bf16(environ: Mapping[str, str] | None = None) -> bool:
+    """True when this CPU advertises AVX512-BF16 or AMX-BF16 (Linux ``/proc/cpuinfo``) and the
+    process is not held to an instruction set without them (``ATEN_CPU_CAPABILITY=avx2`` or
+    ``ONEDNN_MAX_CPU_ISA=AVX2``, as `scripts/test.sh`'s AVX2 pass and docs/results.md's AVX2 runs
+    hold it): a held process then chooses what a CPU without bf16 would."""
+    if _held_below_bf16(os.environ if environ is None else environ) is not None:
+        return False
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
