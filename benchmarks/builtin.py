@@ -62,6 +62,19 @@ def _held_out(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("split") == "heldout"]
 
 
+def _multihop_validation(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every fifth of the 328 questions ``multihop_more_split.jsonl.gz`` adds before the 300 of
+    ``multihop_split.jsonl.gz`` (66: 57 HotpotQA dev, 9 2Wiki): a validation set for a
+    run that trains on ``multihop_split.jsonl.gz``, which never holds them."""
+    added = [r for r in rows if str(r.get("id", "")).startswith(_MULTIHOP_ADDED_ID_PREFIXES)]
+    return added[::5]
+
+
+#: the ids of the rows ``multihop_more_split.jsonl.gz`` adds (``data/build.py``), none of which
+#: ``multihop_split.jsonl.gz``'s ids (``hotpotqa-dev-N``, HotpotQA's hex ids, MuSiQue's) share
+_MULTIHOP_ADDED_ID_PREFIXES = ("hotpotqa-devqa-", "2wiki-r1searcher-", "musique-r1searcher-")
+
+
 def _search_r1(name: str, dataset: str, description: str, **extra: Any) -> Benchmark:
     """A Search-R1 QA benchmark: tag protocol, exact match on the <answer>."""
     return Benchmark(
@@ -151,6 +164,14 @@ BUILTIN_BENCHMARKS: tuple[Benchmark, ...] = (
         "(BM25) with that recipe's prompt and budgets, exact match",
         rows=_held_out, env_kwargs=SEARCH_R1_SMOLLM2_ENV_KWARGS, num_tasks=100,
         max_new_tokens=64,
+    ),
+    _search_r1(
+        "multihop_validation", "search/multihop_more_split.jsonl.gz",
+        "66 HotpotQA/2Wiki questions that data/search/multihop_split.jsonl.gz does not hold "
+        "(every fifth question data/search/multihop_more_split.jsonl.gz adds), with that "
+        "recipe's prompt and budgets: a validation set to select a multihop_split run's "
+        "checkpoint on (benchmark_eval.keep_best), exact match",
+        rows=_multihop_validation, env_kwargs=SEARCH_R1_SMOLLM2_ENV_KWARGS, max_new_tokens=64,
     ),
     _search_r1(
         "multihop_closed_book", "search/multihop_split.jsonl.gz",

@@ -90,7 +90,7 @@ class _Ready:
     task: GroupTask
     usable: tuple[Trajectory, ...]
     ordinal: int = 0  # draw order of the group (the canonical batch order)
-    min_version: int = -1  # oldest policy version of any sampled token in the group
+    min_version: int = -1  # oldest policy version of any sampled token; -1: none sampled
 
     def __post_init__(self) -> None:
         versions = [s.min_version for t in self.usable for s in t.samples if s.num_sampled]
@@ -258,7 +258,7 @@ class RolloutManager:
         c["groups/queued"] = len(self._queue)
         c["batch/underfilled"] = int(len(chosen) < cfg.batch_size)
         c["version"] = self.version
-        staleness = [self.version - r.min_version for r in chosen]
+        staleness = [self.version - r.min_version for r in chosen if r.min_version >= 0]
         # completion order is timing: sort (stable, so a group's episodes keep their index order)
         st.finished.sort(key=lambda t: self._ordinal.get(t.group_id, 0))
         metrics = summarize(
@@ -373,7 +373,10 @@ class RolloutManager:
         fresh = []
         c = self._step.counters
         for ready in self._ready:
-            if self.version - ready.min_version <= self.config.max_staleness:
+            # a group with no sampled token (every prompt truncated) has no policy to be
+            # stale against: requeued, it would come back the same, at every step
+            if ready.min_version < 0 or \
+                    self.version - ready.min_version <= self.config.max_staleness:
                 fresh.append(ready)
             elif self.config.stale_action == "drop":
                 self._totals["stale_dropped"] += 1

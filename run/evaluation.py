@@ -52,6 +52,11 @@ class EvalConfig(Section):
     """Extra env kwargs per benchmark name."""
     save_samples: bool = True
     """Write each evaluation's samples under RUN_DIR/eval/step_N/."""
+    keep_best: str | None = None
+    """A metric of these evaluations to select the policy on, e.g.
+    ``"eval/multihop_validation/pass@1"`` (higher is better): each time it beats every earlier
+    evaluation the policy is exported to ``<out>/best-model`` (`palaestra.run.best_model`). Select
+    on a validation benchmark, never on the held-out set you report."""
 
     @pydantic.model_validator(mode="after")
     def _check(self) -> EvalConfig:
@@ -61,6 +66,15 @@ class EvalConfig(Section):
             raise ValueError("eval.interval is set but eval.benchmarks is empty")
         if self.n < 1:
             raise ValueError("eval.n must be >= 1")
+        if self.keep_best is not None:
+            parts = self.keep_best.split("/")
+            if len(parts) != 3 or parts[0] != "eval" or parts[1] not in self.benchmarks:
+                raise ValueError(
+                    f"keep_best = {self.keep_best!r} is not a metric of these evaluations: name "
+                    "one as eval/<benchmark>/<metric> with <benchmark> one of "
+                    f"{self.benchmarks}, e.g. 'eval/{(self.benchmarks or ['NAME'])[0]}/pass@1'")
+            if not self.interval:
+                raise ValueError("keep_best needs evaluations during training: set interval")
         return self
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, cast
 from palaestra.contracts import AdapterTrainer, Closeable
 from palaestra.engine import EngineStats
 from palaestra.host_memory import release_freed_memory, resident_gib
+from palaestra.run.best_model import BestModel
 from palaestra.run.builders import build_backend
 from palaestra.run.config import TrainConfig
 from palaestra.run.fleet.engine_sync import EngineSync
@@ -110,6 +111,7 @@ class RLRun:
         self.admin: AdminServer | None = None
         self.elastic: ElasticEngines | None = None
         self.evaluator: TrainingEvaluation | None = None
+        self.best: BestModel | None = None  # [benchmark_eval] keep_best
         self.colocated: ColocatedPhases | None = None  # [placement] colocate: phase switches
         self._engine_seen: dict[str, float] = {}  # engine stats at the last step's end
         self.parity: ParityCheck | None = None  # the full-vocabulary parity check (run/parity)
@@ -219,6 +221,8 @@ class RLRun:
                 cfg.benchmark_eval, tokenizer=load_tokenizer(self.policy_path),
                 family=cfg.agent.family, max_context=cfg.agent.max_context,
                 tools_in_prompt=cfg.agent.tools_in_prompt, run_dir=self.run.root)
+            if cfg.benchmark_eval.keep_best is not None:
+                self.best = BestModel(cfg.benchmark_eval.keep_best, self.run.root)
 
     def _note(self, line: str) -> None:
         if self.progress is not None:
@@ -266,7 +270,13 @@ class RLRun:
         release_freed_memory()  # what the rollout's threads freed (host_memory says why)
         record["host/rss_gib"] = resident_gib()
         if self.evaluator is not None and self.evaluator.due(step + 1):
-            record.update(await self.evaluator.evaluate(self.engine, step + 1))
+            evaluated = await self.evaluator.evaluate(self.engine, step + 1)
+            record.update(evaluated)
+            if self.best is not None:
+                async with (self.colocated.resident() if self.colocated is not None
+                            else nullcontext()):  # FSDP2's gathers need the GPU copy
+                    self.best.consider(step + 1, evaluated, self._export_policy)
+                record.update(self.best.metrics())
         run.log_metrics(record)
         if self.progress is not None:
             self.progress.update(record)
@@ -315,6 +325,15 @@ class RLRun:
             async with self.colocated.resident():  # FSDP2's gathers need the GPU copy
                 _save_rl(cfg, self.run, self.backend, self.manager, step, self.counts,
                          self.critic, rollout=rollout)
+
+    def _export_policy(self, directory: Path) -> None:
+        """The policy as it is now, a Hugging Face folder with the settings it plays under."""
+        from palaestra.trained_settings import record_trained_settings
+
+        cfg = self.cfg
+        self.backend.export_hf(directory)
+        record_trained_settings(directory, self.spec, cfg.rollout.sampling(cfg.eval.temperature),
+                                env_id=cfg.env.id, env_kwargs=cfg.env.kwargs)
 
     def finish(self) -> None:
         """The trained policy as a Hugging Face folder (tokenizer included): `palaestra eval

@@ -68,7 +68,7 @@ class LocalEngine:
     ``max_running`` bounds the running batch (its KV slots); ``max_prefill_tokens`` the tokens one
     prefill step computes (at least one request is always admitted); ``prefix_cache_tokens`` the
     tokens whose KV is kept for reuse (0 disables prefix reuse); ``decode_steps`` how many decode
-    steps run between two host syncs (default 8 on CUDA, 1 on CPU); ``logits_processors``
+    steps run between two host syncs (default 32 on CUDA, 1 on CPU); ``logits_processors``
     (attribute) edit each step's logits, e.g. to script outputs in tests.
     """
 
@@ -117,8 +117,9 @@ class LocalEngine:
         self.max_model_len = min(max_model_len or cfg.max_positions, cfg.max_positions)
         self.max_running = max_running
         self.max_prefill_tokens = max_prefill_tokens
-        # decode steps per host sync: hides the per-step Python work behind the GPU
-        self.decode_steps = decode_steps or (8 if dev.type == "cuda" else 1)
+        # decode steps per host sync: hides the per-step Python work behind the GPU (a call
+        # whose rows have all stopped ends within 16 steps: runner._StopWatch)
+        self.decode_steps = decode_steps or (32 if dev.type == "cuda" else 1)
         self.eos_token_ids = frozenset(cfg.eos_token_ids)
         if cfg.moe is not None:
             cuda_graphs = False  # the per-expert GEMMs read the expert counts on the host

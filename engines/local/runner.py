@@ -87,6 +87,9 @@ class ModelRunner:
         self.device = device
         self.max_model_len = max_model_len
         self.decode_steps = decode_steps
+        # set by the scheduler: whether requests wait for a slot (a decode call then ends at
+        # the next check after any row stopped, so that they are admitted)
+        self.admission_waiting: Callable[[], bool] = lambda: False
         self._executor = (
             concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="palaestra-engine")
             if use_thread else None
@@ -222,7 +225,10 @@ class ModelRunner:
         # sampling inside the graph unless a logit bias or processor must see the logits
         sampler = plan.sampler if (graphs is not None and graphs.sample_in_graph
                                    and not plan.biases and not processors) else None
+        stops = _StopWatch(reqs, dev, k, self.admission_waiting)
         for step in range(k):
+            if stops.should_end_before(step):
+                break
             key_len = max(positions) + step + 1
             pos = pos0 + step if step else pos0
             if graphs is not None and graphs.supports(b, key_len, sampler):
@@ -239,7 +245,9 @@ class ModelRunner:
                 tokens_dev, logprobs_dev = self.sampler.sample_device(logits, reqs, plan, step)
             out_tokens.append(tokens_dev)
             out_logprobs.append(logprobs_dev)
+            stops.sampled(step, tokens_dev)
             self.counters["decode_steps"] += 1
+        k = len(out_tokens)
         # one device-to-host copy: ids < 2**24 are exact in float32
         both = torch.stack([t.to(torch.float32) for t in out_tokens] + out_logprobs).cpu()
         toks = both[:k].t().tolist()
@@ -252,6 +260,76 @@ class ModelRunner:
         if runtime is None:
             return False
         return bool(runtime.set_rows([runtime.id_of(r.lora) for r in reqs], lens))
+
+
+class _StopWatch:
+    """Ends a multi-step decode call early once every row has sampled a stop token, or once any
+    has while other requests wait for a slot.
+
+    Without it a call of ``k`` steps runs all ``k`` even when every row stopped at its first: at
+    the end of a rollout, and whenever the batch finishes together, that is up to ``k - 1``
+    wasted steps before the host sees the tokens; and a new turn waits for the whole call before
+    it is admitted. The stop flags are kept on the device; every ``CHECK_EVERY`` steps whether
+    all and whether any row stopped is copied to pinned host memory behind an event. The host
+    reads a check one check late (waiting for the GPU to reach it while the next
+    ``CHECK_EVERY`` steps are already queued), so the GPU never waits for the host, and a call
+    ends at most ``2 * CHECK_EVERY`` steps after the stop it waited for. On a CPU
+    (synchronous) a check is read at once. Only stop *tokens* are watched: a call never runs
+    past a row's length budget (the runner caps ``k``), and stop strings keep ``k`` at 1.
+    """
+
+    CHECK_EVERY = 8
+
+    def __init__(self, reqs: list[LocalRequest], device: torch.device, k: int,
+                 admission_waiting: Callable[[], bool]) -> None:
+        import torch
+
+        widest = max(len(r.stop_ids) for r in reqs)
+        self.active = k > self.CHECK_EVERY and widest > 0  # else nothing to end early on
+        self.device = device
+        self.admission_waiting = admission_waiting
+        self.pending: list[tuple[Any, Any]] = []  # (event or None, host [all, any]) per check
+        if self.active:
+            # each row's stop ids, padded with -1 (never sampled): [B, widest]
+            self.stop_ids = torch.tensor(
+                [sorted(r.stop_ids) + [-1] * (widest - len(r.stop_ids)) for r in reqs],
+                device=device)
+            self.stopped = torch.zeros(len(reqs), dtype=torch.bool, device=device)
+
+    def sampled(self, step: int, tokens: torch.Tensor) -> None:
+        """Step ``step``'s tokens: mark the rows that stopped; queue a check when one is due."""
+        import torch
+
+        if not self.active:
+            return
+        self.stopped |= (tokens[:, None] == self.stop_ids).any(dim=1)
+        if (step + 1) % self.CHECK_EVERY:
+            return
+        flags = torch.stack([self.stopped.all(), self.stopped.any()])
+        if self.device.type != "cuda":
+            self.pending.append((None, flags))
+            return
+        host = torch.empty(2, dtype=torch.bool, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((event, host))
+
+    def should_end_before(self, step: int) -> bool:
+        """Whether the call ends before ``step``: by a check the GPU has reached (the one before
+        the latest on CUDA, so that the latest chunk of steps stays queued while the host
+        waits), every row had stopped, or some row had and requests wait for a slot."""
+        if not self.active or step % self.CHECK_EVERY or not self.pending:
+            return False
+        if self.device.type == "cuda":
+            if len(self.pending) < 2:
+                return False
+            event, flags = self.pending[-2]
+            event.synchronize()
+        else:
+            flags = self.pending[-1][1]
+        every, some = (bool(f) for f in flags.tolist())
+        return every or (some and self.admission_waiting())
 
 
 __all__ = ["ModelRunner", "choose_decode_attention"]

@@ -54,6 +54,8 @@ class Scheduler:
         self._tokenizer = tokenizer
         self.version = 0
         self.waiting: deque[LocalRequest] = deque()
+        # a long decode call ends early (after a row stops) when new requests wait for it
+        runner.admission_waiting = lambda: bool(self.waiting)
         self.running: list[LocalRequest] = []
         self.by_id: dict[str, LocalRequest] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -325,6 +325,63 @@ async def test_multi_step_decode_equals_single_step(model_dir: str) -> None:
         await multi.close()
 
 
+async def test_a_multi_step_call_ends_early_once_every_row_has_stopped(model_dir: str) -> None:
+    """A call of 32 decode steps whose rows all meet their stop token in the first few ends at
+    the next check (8 steps), not after 32, with the tokens single steps give; a call where a
+    row goes on runs on."""
+    single, multi = LocalEngine(model_dir, decode_steps=1), LocalEngine(model_dir, decode_steps=32)
+    try:
+        # a prompt whose greedy reply first samples some token in its first decode steps (not
+        # at the prefill): that token is the stop token
+        for prompt in prompts(16, seed=21):
+            free = await single.generate(prompt, SamplingParams(max_new_tokens=40, temperature=0))
+            first = next((i for i in range(1, 6) if free.token_ids[i] not in free.token_ids[:i]),
+                         None)
+            if first is not None:
+                break
+        assert first is not None, "no prompt of the fixture meets a new token early"
+        stop = free.token_ids[first]
+        params = SamplingParams(max_new_tokens=40, temperature=0, stop_token_ids=(stop,))
+        before = multi.stats["decode_steps"]
+        a = await asyncio.gather(*(single.generate(prompt, params) for _ in range(3)))
+        b = await asyncio.gather(*(multi.generate(prompt, params) for _ in range(3)))
+        assert [g.token_ids for g in a] == [g.token_ids for g in b]
+        assert all(g.finish_reason == "stop" and g.token_ids[-1] == stop for g in b)
+        # the prefill samples the first token; one call of 32 would have run 32 steps
+        assert multi.stats["decode_steps"] - before == 8
+        # a row that never stops keeps the call going to its length budget
+        before = multi.stats["decode_steps"]
+        rest = await asyncio.gather(
+            multi.generate(prompt, params),
+            multi.generate(prompt, SamplingParams(max_new_tokens=33, temperature=0)))
+        assert rest[0].token_ids == a[0].token_ids and len(rest[1].token_ids) == 33
+        assert rest[1].token_ids == free.token_ids[:33]
+        assert multi.stats["decode_steps"] - before == 32
+        # ... unless a request waits for a slot (two slots here): the call ends at the check
+        # after the first row stopped, and the waiting request finishes before the long one
+        two_slots = LocalEngine(model_dir, decode_steps=32, max_running=2)
+        finished: list[str] = []
+
+        async def tracked(name: str, sampling: SamplingParams) -> list[int]:
+            tokens = (await two_slots.generate(prompt, sampling)).token_ids
+            finished.append(name)
+            return tokens
+
+        try:
+            short, long, late = await asyncio.gather(
+                tracked("short", params),
+                tracked("long", SamplingParams(max_new_tokens=33, temperature=0)),
+                tracked("late", SamplingParams(max_new_tokens=5, temperature=0)))
+        finally:
+            await two_slots.close()
+        assert short == a[0].token_ids and long == free.token_ids[:33]
+        assert late == free.token_ids[:5]
+        assert finished == ["short", "late", "long"]  # one call of 32 steps: short, long, late
+    finally:
+        await single.close()
+        await multi.close()
+
+
 async def test_samples_of_one_prompt_share_its_prefill(engine: LocalEngine) -> None:
     """n samples of one prompt arriving together: one prefill, the others reuse its KV."""
     prompt = prompts(1, lo=50, hi=51, seed=14)[0]

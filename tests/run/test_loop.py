@@ -420,3 +420,26 @@ def test_a_step_with_non_finite_gradients_is_counted_as_skipped(micro_model):
     assert all(torch.equal(before[k], v) for k, v in backend.model.state_dict().items())
     assert not _update_skipped(backend.train_step(batch(1.0), LossConfig(preset="grpo")))
     assert _update_skipped({"grad_norm": 0.5, "update_ok": 0.0})  # Megatron's report
+
+
+def test_a_run_whose_prompts_exceed_the_context_goes_on(tmp_path, micro_model):
+    """Groups in which every prompt was truncated before its first token have no policy
+    version: they are not stale at the next step (they were requeued for ever, and the run
+    failed at step 1 with "no group could be kept")."""
+    from palaestra.run.train import train
+
+    body = _base(tmp_path, micro_model) + '''
+[env]
+id = "palaestra/Calculator-v0"
+[trainer]
+steps = 3
+[eval]
+num_tasks = 0
+'''
+    cfg = load_config(TrainConfig, _write_config(tmp_path, body),
+                      ["--rollout.batch_size", "2", "--rollout.group_size", "2",
+                       "--agent.max_context", "48"])
+    train(cfg)
+    rl = [r for r in _read(tmp_path / "run" / "metrics.jsonl") if r["phase"] == "rl"]
+    assert [r["step"] for r in rl] == [0, 1, 2]
+    assert all(r["stop_reason/truncated"] == 4 and r["train/num_loss_tokens"] == 0 for r in rl)
