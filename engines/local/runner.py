@@ -67,6 +67,11 @@ def choose_decode_attention(decoder: Decoder, device: torch.device, dtype: torch
     return "triton"
 
 
+#: CUDA stream priority of the engine's kernels (lower is higher; -1 is the highest on
+#: current GPUs, where torch clamps anything lower to the device's range)
+ENGINE_STREAM_PRIORITY = -1
+
+
 class ModelRunner:
     """Runs the decoder for the scheduler: `prefill` and `decode` return, per request, the
     sampled tokens and their logprobs; ``counters`` (the engine's) count the tokens and steps.
@@ -99,7 +104,9 @@ class ModelRunner:
         # are captured in thread-local mode, so that trainer's CUDA calls cannot break a capture
         self.stream: Any = None
         if device.type == "cuda":
-            self.stream = torch.cuda.Stream(device=device)
+            # the highest priority: in async mode the decode of the next batch is what the
+            # step waits for, and a trainer's long GEMMs on the default stream would hold it up
+            self.stream = torch.cuda.Stream(device=device, priority=ENGINE_STREAM_PRIORITY)
             # the weights and the zeroed cache were written on the constructing thread's stream
             self.stream.wait_stream(torch.cuda.current_stream(device))
         self.graphs: Any = None
