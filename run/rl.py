@@ -306,7 +306,7 @@ class RLRun:
             return {}
         stats = self.engine.stats
         keys = ("prefill_s", "decode_s", "host_s", "active_s", "decode_calls", "decode_steps",
-                "prefill_steps", "prefill_tokens", "generated_tokens")
+                "decode_early_ends", "prefill_steps", "prefill_tokens", "generated_tokens")
         now = {k: float(stats[k]) for k in keys if isinstance(stats.get(k), (int, float))}
         before, self._engine_seen = self._engine_seen, now
         return {f"engine/{k}": v - before.get(k, 0.0) for k, v in now.items()}

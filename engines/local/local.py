@@ -135,7 +135,8 @@ class LocalEngine:
         # one dict: the scheduler counts requests and tokens out, the runner compute steps
         self.counters: dict[str, int] = dict.fromkeys(
             ("requests", "finished", "aborted", "prompt_tokens", "prefill_tokens",
-             "cached_tokens", "generated_tokens", "prefill_steps", "decode_steps", "decode_calls"), 0)
+             "cached_tokens", "generated_tokens", "prefill_steps", "decode_steps", "decode_calls",
+             "decode_early_ends"), 0)
         self._runner = ModelRunner(
             self.decoder, self._slots, self._sampler, self.counters, device=dev,
             max_running=max_running, max_model_len=self.max_model_len,

@@ -235,6 +235,7 @@ class ModelRunner:
         stops = _StopWatch(reqs, dev, k, self.admission_waiting)
         for step in range(k):
             if stops.should_end_before(step):
+                self.counters["decode_early_ends"] += 1
                 break
             key_len = max(positions) + step + 1
             pos = pos0 + step if step else pos0

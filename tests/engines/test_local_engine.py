@@ -349,6 +349,7 @@ async def test_a_multi_step_call_ends_early_once_every_row_has_stopped(model_dir
         assert all(g.finish_reason == "stop" and g.token_ids[-1] == stop for g in b)
         # the prefill samples the first token; one call of 32 would have run 32 steps
         assert multi.stats["decode_steps"] - before == 8
+        assert multi.stats["decode_early_ends"] == 1
         # a row that never stops keeps the call going to its length budget
         before = multi.stats["decode_steps"]
         rest = await asyncio.gather(
