@@ -173,7 +173,8 @@ class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
     Reward: 1.0 when the last ``<answer>`` of the answering turn matches any gold answer exactly
     after SQuAD normalisation (lower-case, no punctuation or articles, collapsed whitespace), else
     ``format_reward`` (default 0.0, Search-R1's ``format_score``) when an answer was given, else
-    0. Info carries ``em``, ``sub_em``, ``f1``, ``answer``, ``gold``, ``answer_in_retrieved``,
+    0. ``reward="f1"`` gives a wrong answer its token F1 against the best gold instead (partial
+    credit, a denser signal; at least ``format_reward``); ``em`` in the info stays exact match. Info carries ``em``, ``sub_em``, ``f1``, ``answer``, ``gold``, ``answer_in_retrieved``,
     ``searches``, ``invalid_actions``.
     Retriever: ``"bm25"`` (a local BM25 index over ``corpus``, default the shipped one, built and
     cached on first search) or the URL of a Search-R1 retrieval server
@@ -203,6 +204,7 @@ class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
         retriever_timeout_s: float = 30.0,
         prompt_template: str = SEARCH_R1_PROMPT,
         passage_words: int | None = None,
+        reward: str = "em",
         **kwargs: Any,
     ) -> None:
         source, rows = _split_dataset(dataset)
@@ -211,8 +213,12 @@ class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
         self._init_search(retriever, corpus, topk, retriever_timeout_s, passage_words)
         if "{question}" not in prompt_template:
             raise ConfigError("prompt_template must contain '{question}'")
+        if reward not in REWARD_METRICS:
+            raise ConfigError(f"reward = {reward!r}: use one of {sorted(REWARD_METRICS)} "
+                              "('em': Search-R1's exact match; 'f1': token F1, partial credit)")
         self.prompt_template = prompt_template
         self.format_reward = float(format_reward)
+        self.reward_metric = reward
         self.searches = 0
         self.invalid_actions = 0
 
@@ -279,12 +285,17 @@ class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
         metrics = qa_metrics(answer, golden_answers(self.task), self.retrieved)
         if metrics["em"] == 1.0:
             reward = 1.0
-        elif answer is not None:
-            reward = self.format_reward
+        elif answer is not None:  # f1: the best gold's token F1 (below 1 unless exact)
+            partial = metrics["f1"] if self.reward_metric == "f1" else 0.0
+            reward = max(partial, self.format_reward)
         else:
             reward = 0.0
         info = {**metrics, "searches": self.searches, "invalid_actions": self.invalid_actions}
         return StepResult(reward=reward, terminated=terminated, info=info)
+
+
+#: what ``SearchR1Env(reward=...)`` scores a wrong answer by
+REWARD_METRICS = frozenset({"em", "f1"})
 
 
 class SearchR1ToolsEnv(_SearchTaskMixin, ToolEnv):

@@ -148,6 +148,33 @@ def test_invalid_actions_wrong_answers_and_the_format_reward(bm25, multihop):
     assert env.step("<answer>certainly not this</answer>")[1] == 0.0
 
 
+def test_the_f1_reward_gives_partial_credit_that_no_padding_games(bm25):
+    """``reward="f1"``: a wrong answer earns its token F1, never 1.0; padding the answer with
+    every candidate, or the question's own words, earns less than the right name alone."""
+    task = {"question": "Which network was founded by Betty Cohen?",
+            "golden_answers": ["Cartoon Network"]}
+
+    def score(answer: str, **kwargs):
+        env = SearchR1Env(retriever=bm25, reward="f1", **kwargs)
+        env.reset(options={"task": task})
+        _, reward, terminated, _, info = env.step(f"<answer>{answer}</answer>")
+        assert terminated
+        return reward, info["em"]
+
+    assert score("cartoon network.") == (1.0, 1.0)
+    assert score("Network") == (pytest.approx(2 / 3), 0.0)  # half the gold: partial credit
+    padded, em = score("Cartoon Network, HBO, CNN, Nickelodeon, Disney Channel, Fox")
+    assert em == 0.0 and padded < 0.5 < score("Network")[0]
+    assert score("Which network was founded by Betty Cohen")[0] < 0.5
+    assert score("ABC") == (0.0, 0.0)
+    assert score("ABC", format_reward=0.1)[0] == 0.1  # the floor for a given answer stays
+    env = SearchR1Env(retriever=bm25, reward="f1")  # no answer: nothing
+    env.reset(options={"task": task})
+    assert env.step("<search>x</search>")[1] == 0.0
+    with pytest.raises(ConfigError, match="'em'"):
+        SearchR1Env(retriever=bm25, reward="recall")
+
+
 def test_out_of_turns_without_an_answer(bm25, multihop):
     env = SearchR1Env(retriever=bm25, max_turns=2)
     env.reset(options={"task": _gold_task(multihop)})
