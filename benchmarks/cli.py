@@ -210,6 +210,19 @@ def _first(*values: Any) -> Any:
     return next(v for v in values if v is not None)
 
 
+#: env kwargs that define a benchmark's score, not how the episode plays: a run's own (e.g. the
+#: Search-R1 env's ``reward = "f1"``, a ``format_reward``) never replace the benchmark's
+SCORING_ENV_KWARGS = frozenset({"reward", "format_reward"})
+
+
+def played_as_trained(benchmark_kwargs: dict[str, Any],
+                      trained_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The benchmark's env kwargs with the training run's on top (prompt, budgets, retriever),
+    except those that define the score."""
+    played = {k: v for k, v in trained_kwargs.items() if k not in SCORING_ENV_KWARGS}
+    return {**benchmark_kwargs, **played}
+
+
 def _same_env(a: str, b: str) -> bool:
     return a.rpartition(":")[2] == b.rpartition(":")[2]  # "module:env/Id-v0" names the same env
 
@@ -240,7 +253,7 @@ def _evaluate(args: argparse.Namespace) -> int:
             agent.setdefault("chat_template", t.chat_template)
         changes: dict[str, Any] = {"agent": agent}
         if trained is not None and _same_env(b.env_id, trained.env_id):
-            changes["env_kwargs"] = {**b.env_kwargs, **trained.env_kwargs}
+            changes["env_kwargs"] = played_as_trained(b.env_kwargs, trained.env_kwargs)
             if trained.max_new_tokens is not None:
                 changes["max_new_tokens"] = trained.max_new_tokens
         benchmarks.append(b.with_overrides(**changes))

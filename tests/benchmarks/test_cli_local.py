@@ -27,3 +27,17 @@ def test_eval_local_engine_end_to_end(model_dir, tmp_path, capsys):
     # a rerun of the same command resumes and has nothing left to draw
     assert main(argv) == 0
     assert len((out / "samples.jsonl").read_text().splitlines()) == 12
+
+
+def test_a_model_plays_as_trained_but_is_scored_by_the_benchmark():
+    """`palaestra eval` plays a trained model with its run's env kwargs (prompt, budgets), but
+    the kwargs that define the score stay the benchmark's: a run trained on the Search-R1 env's
+    token-F1 reward is still scored by exact match."""
+    from palaestra.benchmarks.builtin import SEARCH_R1_SMOLLM2_ENV_KWARGS
+    from palaestra.benchmarks.cli import played_as_trained
+
+    trained = {**SEARCH_R1_SMOLLM2_ENV_KWARGS, "passage_words": 30, "reward": "f1",
+               "format_reward": 0.1}
+    played = played_as_trained({**SEARCH_R1_SMOLLM2_ENV_KWARGS, "format_reward": 0.0}, trained)
+    assert played["passage_words"] == 30  # how the episode plays: the run's
+    assert "reward" not in played and played["format_reward"] == 0.0  # the score: the benchmark's
