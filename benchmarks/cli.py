@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -215,8 +216,8 @@ def _first(*values: Any) -> Any:
 SCORING_ENV_KWARGS = frozenset({"reward", "format_reward"})
 
 
-def played_as_trained(benchmark_kwargs: dict[str, Any],
-                      trained_kwargs: dict[str, Any]) -> dict[str, Any]:
+def played_as_trained(benchmark_kwargs: Mapping[str, Any],
+                      trained_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The benchmark's env kwargs with the training run's on top (prompt, budgets, retriever),
     except those that define the score."""
     played = {k: v for k, v in trained_kwargs.items() if k not in SCORING_ENV_KWARGS}
