@@ -62,17 +62,17 @@ def _held_out(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("split") == "heldout"]
 
 
+#: the ids of the rows ``multihop_more_split.jsonl.gz`` adds (``data/build.py``), none of which
+#: ``multihop_split.jsonl.gz``'s ids (``hotpotqa-dev-N``, HotpotQA's hex ids, MuSiQue's) share
+_MULTIHOP_ADDED_ID_PREFIXES = ("hotpotqa-devqa-", "2wiki-r1searcher-", "musique-r1searcher-")
+
+
 def _multihop_validation(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every fifth of the 328 questions ``multihop_more_split.jsonl.gz`` adds before the 300 of
     ``multihop_split.jsonl.gz`` (66: 57 HotpotQA dev, 9 2Wiki): a validation set for a
     run that trains on ``multihop_split.jsonl.gz``, which never holds them."""
     added = [r for r in rows if str(r.get("id", "")).startswith(_MULTIHOP_ADDED_ID_PREFIXES)]
     return added[::5]
-
-
-#: the ids of the rows ``multihop_more_split.jsonl.gz`` adds (``data/build.py``), none of which
-#: ``multihop_split.jsonl.gz``'s ids (``hotpotqa-dev-N``, HotpotQA's hex ids, MuSiQue's) share
-_MULTIHOP_ADDED_ID_PREFIXES = ("hotpotqa-devqa-", "2wiki-r1searcher-", "musique-r1searcher-")
 
 
 def _search_r1(name: str, dataset: str, description: str, **extra: Any) -> Benchmark:

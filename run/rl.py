@@ -328,10 +328,14 @@ class RLRun:
 
     def _export_policy(self, directory: Path) -> None:
         """The policy as it is now, a Hugging Face folder with the settings it plays under."""
+        self.backend.export_hf(directory)
+        self._record_settings(directory)
+
+    def _record_settings(self, directory: Path) -> None:
+        """`palaestra eval --model <directory>` plays as the held-out evaluation did."""
         from palaestra.trained_settings import record_trained_settings
 
         cfg = self.cfg
-        self.backend.export_hf(directory)
         record_trained_settings(directory, self.spec, cfg.rollout.sampling(cfg.eval.temperature),
                                 env_id=cfg.env.id, env_kwargs=cfg.env.kwargs)
 
@@ -348,14 +352,8 @@ class RLRun:
             backend.export_hf(root / "final-model")  # LoRA: the adapter merged
         if self.critic is not None:  # the value model beside it (*ForTokenClassification)
             self.critic.export_hf(root / "final-critic")
-        from palaestra.trained_settings import record_trained_settings
-
-        # `palaestra eval --model <out>/final-model` plays as the held-out evaluation did
-        final = root / ("final-model" if (root / "final-model").is_dir()
-                        else "final-adapter")  # LoRA with export_merged = false
-        cfg = self.cfg
-        record_trained_settings(final, self.spec, cfg.rollout.sampling(cfg.eval.temperature),
-                                env_id=cfg.env.id, env_kwargs=cfg.env.kwargs)
+        self._record_settings(root / ("final-model" if (root / "final-model").is_dir()
+                                      else "final-adapter"))  # LoRA, export_merged = false
 
     async def close(self) -> None:
         """Stop what `setup` and `start` started (in the reverse order of their need)."""

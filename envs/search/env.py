@@ -174,7 +174,8 @@ class SearchR1Env(_SearchTaskMixin, MultiTurnEnv):
     after SQuAD normalisation (lower-case, no punctuation or articles, collapsed whitespace), else
     ``format_reward`` (default 0.0, Search-R1's ``format_score``) when an answer was given, else
     0. ``reward="f1"`` gives a wrong answer its token F1 against the best gold instead (partial
-    credit, a denser signal; at least ``format_reward``); ``em`` in the info stays exact match. Info carries ``em``, ``sub_em``, ``f1``, ``answer``, ``gold``, ``answer_in_retrieved``,
+    credit, a denser signal; at least ``format_reward``); ``em`` in the info stays exact match.
+    Info carries ``em``, ``sub_em``, ``f1``, ``answer``, ``gold``, ``answer_in_retrieved``,
     ``searches``, ``invalid_actions``.
     Retriever: ``"bm25"`` (a local BM25 index over ``corpus``, default the shipped one, built and
     cached on first search) or the URL of a Search-R1 retrieval server
